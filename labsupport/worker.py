@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
-import linecache
 import os
 import signal
 import sys
@@ -79,7 +78,6 @@ def rank_main(job: dict, result_conn, out_conn, err_conn) -> None:
 
     os.environ.clear()
     os.environ.update(job["env"])
-    linecache.cache.update(job["linecache"])  # source lines of notebook cells
     torch.set_num_threads(job["num_threads"])
 
     try:
@@ -105,3 +103,7 @@ def rank_main(job: dict, result_conn, out_conn, err_conn) -> None:
     sys.stderr.flush()
     result_conn.send_bytes(cloudpickle.dumps(message))
     result_conn.close()
+    if message[0] == "error":
+        # Leave at once, without interpreter teardown: the peers blocked in a
+        # collective with this rank see its sockets close and fail fast.
+        os._exit(1)

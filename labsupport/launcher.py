@@ -20,6 +20,7 @@ forked, and a launch costs milliseconds instead of seconds.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import linecache
 import multiprocessing
@@ -27,9 +28,11 @@ import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import pickle
+import re
 import signal
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 
 import cloudpickle
@@ -143,10 +146,9 @@ class _Rank:
         return [(name, line) for line in lines]
 
     def read_result(self) -> None:
-        try:
+        # EOF: it died before reporting, and its exit code will tell why.
+        with contextlib.suppress(EOFError, OSError):
             self.message = pickle.loads(self.result_conn.recv_bytes())
-        except (EOFError, OSError):
-            pass  # died before reporting: the exit code tells why
         self.result_conn.close()
         self.result_conn = None
 
@@ -241,9 +243,7 @@ class _LiveView:
             return
         self.handle.update(self._placeholder(), raw=True)
         for stream, file in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-            text = "".join(
-                f"[rank {r.rank}] {line}\n" for r in ranks for line in r.lines[stream]
-            )
+            text = "".join(f"[rank {r.rank}] {line}\n" for r in ranks for line in r.lines[stream])
             if text:
                 file.write(text)
                 file.flush()
@@ -271,13 +271,50 @@ def warm_up() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def _notebook_sources() -> dict:
-    """Source lines of notebook cells, so that ranks' tracebacks can quote them."""
-    return {
-        name: entry
-        for name, entry in list(linecache.cache.items())
-        if len(entry) == 4 and not os.path.exists(name)
-    }
+def _code_files(fn) -> dict[str, str]:
+    """Function name -> source file, for ``fn`` and the functions of ``__main__``.
+
+    cloudpickle ships functions defined in a notebook by value and renames their file
+    to ``"<dynamic-code>"``; this map lets the launcher put the cell back into the
+    ranks' tracebacks.
+    """
+    main = sys.modules.get("__main__")
+    found = [fn, *(vars(main).values() if main else ())]
+    codes = [f.__code__ for f in found if inspect.isfunction(f)]
+    files: dict[str, str] = {}
+    while codes:
+        code = codes.pop()
+        files.setdefault(code.co_name, code.co_filename)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return files
+
+
+_DYNAMIC_FRAME = re.compile(r'^(\s*)File "<dynamic-code>", line (\d+),? in (\S+)$')
+
+
+def _restore_sources(text: str, files: dict[str, str]) -> str:
+    """Name the cell (or file) and quote the line of each ``<dynamic-code>`` frame."""
+    out = []
+    for line in text.splitlines():
+        match = _DYNAMIC_FRAME.match(line)
+        filename = files.get(match.group(3)) if match else None
+        if filename is None:
+            out.append(line)
+            continue
+        indent, lineno, name = match.group(1), int(match.group(2)), match.group(3)
+        out.append(f"{indent}{_where(filename)}, line {lineno}, in {name}")
+        source = linecache.getline(filename, lineno).strip()
+        if source:
+            out.append(f"{indent}  {source}")
+    return "\n".join(out)
+
+
+def _where(filename: str) -> str:
+    """IPython's name for a cell ("Cell In[5]"), or the file's."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython else None
+    named = shell.compile.format_code_name(filename) if shell is not None else None
+    return " ".join(named) if named else f'File "{filename}"'
 
 
 def _pickle_job(fn, args, kwargs) -> bytes:
@@ -364,7 +401,7 @@ def launch(
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     run_id = f"labsupport-{os.getpid()}-{next(_launch_ids)}"
-    sources = _notebook_sources()
+    files = _code_files(fn)
     view = _LiveView()
     ranks: list[_Rank] = []
     try:
@@ -374,11 +411,13 @@ def launch(
                 "env": _rank_environment(rank, world_size, store.port, run_id, env),
                 "backend": backend,
                 "timeout": timeout,
-                "linecache": sources,
                 "num_threads": _threads_per_rank(world_size),
             }
             ranks.append(_start_rank(ctx, rank, job))
         _supervise(ranks, time.monotonic() + timeout, view)
+        for r in ranks:
+            if r.failure is not None:
+                r.failure.traceback = _restore_sources(r.failure.traceback, files)
     finally:
         for r in ranks:
             r.kill()
@@ -418,8 +457,12 @@ def _supervise(ranks: list[_Rank], deadline: float, view: _LiveView) -> None:
             _stop_survivors(ranks, "stopped", "stopped by the launcher after another rank failed")
             return
         if now > deadline:
-            _dump_stacks(ranks, view)
-            _stop_survivors(ranks, "timeout", "still running at the timeout")
+            hung = [r for r in ranks if not r.exited and r.message is None]
+            _dump_stacks(hung, view)
+            _stop_survivors(ranks, "stopped", "stopped by the launcher at the timeout")
+            for r in hung:
+                stack = _innermost_frames("\n".join(r.lines["stderr"]))
+                r.failure = RankFailure(r.rank, "timeout", "still running at the timeout", stack)
             return
         owners = {id(w): r for r in ranks for w in r.waitables()}
         waitables = [w for r in ranks for w in r.waitables()]
@@ -440,9 +483,21 @@ def _supervise(ranks: list[_Rank], deadline: float, view: _LiveView) -> None:
             first_failure = time.monotonic()
 
 
-def _dump_stacks(ranks: list[_Rank], view: _LiveView) -> None:
+def _innermost_frames(dump: str) -> str:
+    """The last faulthandler stack in ``dump``, cut where the rank called ``fn``."""
+    start = dump.rfind("Stack (most recent call first):")
+    if start < 0:
+        return ""
+    kept = []
+    for line in dump[start:].splitlines():
+        if "labsupport/worker.py" in line:
+            break
+        kept.append(line)
+    return "\n".join(kept)
+
+
+def _dump_stacks(running: list[_Rank], view: _LiveView) -> None:
     """Ask hung ranks to print their Python stacks (faulthandler on SIGUSR1)."""
-    running = [r for r in ranks if not r.exited]
     for r in running:
         with contextlib.suppress(ProcessLookupError):
             os.kill(r.process.pid, signal.SIGUSR1)
@@ -468,6 +523,11 @@ def _stop_survivors(ranks: list[_Rank], kind: str, summary: str) -> None:
             r.read_stream(next(iter(r.streams)))
         if r.message is None:
             r.failure = RankFailure(r.rank, kind, summary, "\n".join(r.lines["stderr"][-40:]))
+
+
+def _shorten(text: str, width: int = 160) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= width else line[: width - 1] + "…"
 
 
 def _outcome(ranks: list[_Rank], timeout: float) -> list:
@@ -504,5 +564,7 @@ def _outcome(ranks: list[_Rank], timeout: float) -> list:
     others = [f for f in failures.values() if f is not root]
     if others:
         parts.append("Other ranks, as a consequence:")
-        parts.extend(f"  rank {f.rank}: {f.summary}" for f in sorted(others, key=lambda f: f.rank))
+        parts.extend(
+            f"  rank {f.rank}: {_shorten(f.summary)}" for f in sorted(others, key=lambda f: f.rank)
+        )
     raise LaunchError("\n".join(parts), failures, root.rank)

@@ -1,0 +1,161 @@
+"""Lab 6, launching: what each rank sees, a first send/recv, a failure, and torchrun.
+
+Each function runs on every rank of an initialised process group, under
+:func:`labsupport.launch` or ``torchrun -m labsupport.run`` alike. The environment they
+read is the one torchrun documents:
+https://pytorch.org/docs/stable/elastic/run.html#environment-variables
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from labsupport.runtime import device
+
+
+def world_info() -> dict:
+    """This rank's view of the world: its ranks, the world's size, where the store is."""
+    return {
+        "rank": dist.get_rank(),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "world_size": dist.get_world_size(),
+        "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
+        "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        "backend": dist.get_backend(),
+        "device": str(device()),
+        "pid": os.getpid(),
+    }
+
+
+def global_rank(node_rank: int, local_rank: int, nproc_per_node: int) -> int:
+    """The global rank torchrun gives a process: ranks fill node 0 first, then node 1."""
+    return node_rank * nproc_per_node + local_rank
+
+
+def ring_pass() -> dict:
+    """Each rank sends its rank to its right neighbour and receives from its left one.
+
+    ``isend``/``irecv`` return at once; ``wait`` blocks until the message is through.
+    Posting both before waiting is what keeps the ring from deadlocking: with blocking
+    ``send`` first on every rank, every rank would wait for a receiver.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    outgoing = torch.tensor([float(rank)], device=device())
+    incoming = torch.empty(1, device=device())
+    requests = [dist.isend(outgoing, dst=right), dist.irecv(incoming, src=left)]
+    for request in requests:
+        request.wait()
+    print(f"sent {rank} to rank {right}, received {int(incoming.item())} from rank {left}")
+    return {"sent_to": right, "received_from": left, "received": int(incoming.item())}
+
+
+def ping_pong(num_bytes: int = 4, rounds: int = 50) -> float | None:
+    """Round-trip time between ranks 0 and 1: rank 0 sends, rank 1 echoes back.
+
+    Returns the median round trip in seconds on rank 0, ``None`` elsewhere. Ranks other
+    than 0 and 1 take no part.
+    """
+    rank = dist.get_rank()
+    if dist.get_world_size() < 2:
+        raise ValueError("ping_pong needs at least 2 ranks (world_size >= 2)")
+    buffer = torch.zeros(max(1, num_bytes // 4), dtype=torch.float32, device=device())
+    times = []
+    for _ in range(rounds + 1):  # the first round warms the connection up
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, dst=1)
+            dist.recv(buffer, src=1)
+        elif rank == 1:
+            dist.recv(buffer, src=0)
+            dist.send(buffer, dst=0)
+        times.append(time.perf_counter() - start)
+    return float(torch.tensor(times[1:]).median()) if rank == 0 else None
+
+
+def failing_step(bad_rank: int = 2) -> float:
+    """A training step in which one rank fails before the all-reduce the others wait in."""
+    grad = torch.full((4,), float(dist.get_rank()), device=device())
+    if dist.get_rank() == bad_rank:
+        raise RuntimeError(f"simulated failure: rank {bad_rank} ran out of memory")
+    dist.all_reduce(grad)
+    return grad[0].item()
+
+
+def all_reduce_ranks() -> dict:
+    """Sum every rank's rank with one all-reduce; the answer is world·(world-1)/2."""
+    total = torch.tensor([float(dist.get_rank())], device=device())
+    dist.all_reduce(total)
+    return {
+        "rank": dist.get_rank(),
+        "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "sum_of_ranks": int(total.item()),
+    }
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_nodes(
+    target: str, nnodes: int = 2, nproc_per_node: int = 2, timeout: float = 120, args=()
+) -> list[str]:
+    """Run ``target`` (``module:function``) as ``nnodes`` torchrun "nodes" on this machine.
+
+    Each node is its own ``torchrun`` process with ``--node-rank`` set, meeting the others
+    through c10d rendezvous on 127.0.0.1, exactly as separate machines would meet at the
+    first node's address. Returns the ``[rank N] -> value`` lines the ranks printed,
+    sorted by rank. Raises ``RuntimeError`` with each node's output if a node fails.
+    """
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    commands = [
+        [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+            f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            "--rdzv-id=labsupport-nodes", "--max-restarts=0",
+            "-m", "labsupport.run", target, *args,
+        ]
+        for node in range(nnodes)
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd in commands
+    ]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"torchrun nodes did not finish within {timeout} s") from None
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    if any(node.returncode != 0 for node in nodes):
+        report = "\n".join(
+            f"--- node {i} (exit code {node.returncode}) ---\n{out}"
+            for i, (node, out) in enumerate(zip(nodes, outputs, strict=True))
+        )
+        raise RuntimeError(f"a torchrun node failed:\n{report}")
+    lines = [line for out in outputs for line in out.splitlines() if line.startswith("[rank ")]
+    return sorted(lines, key=lambda line: int(re.match(r"\[rank (\d+)\]", line).group(1)))
