@@ -289,21 +289,30 @@ def _code_files(fn) -> dict[str, str]:
     return files
 
 
-_DYNAMIC_FRAME = re.compile(r'^(\s*)File "<dynamic-code>", line (\d+),? in (\S+)$')
+_FRAME = re.compile(r'^(\s*)File "(.+)", line (\d+)(,?) in (\S+)$')
 
 
 def _restore_sources(text: str, files: dict[str, str]) -> str:
-    """Name the cell (or file) and quote the line of each ``<dynamic-code>`` frame."""
+    """Name the cell (or file) and quote the source line of each frame.
+
+    Handles Python tracebacks, whose ``<dynamic-code>`` frames lost their file to
+    cloudpickle, and faulthandler stacks, which never quote the source.
+    """
     out = []
     for line in text.splitlines():
-        match = _DYNAMIC_FRAME.match(line)
-        filename = files.get(match.group(3)) if match else None
-        if filename is None:
+        match = _FRAME.match(line)
+        if match is None:
             out.append(line)
             continue
-        indent, lineno, name = match.group(1), int(match.group(2)), match.group(3)
+        indent, filename, lineno, comma, name = match.groups()
+        quote = not comma  # a faulthandler frame
+        if filename == "<dynamic-code>":
+            filename, quote = files.get(name), True
+            if filename is None:
+                out.append(line)
+                continue
         out.append(f"{indent}{_where(filename)}, line {lineno}, in {name}")
-        source = linecache.getline(filename, lineno).strip()
+        source = linecache.getline(filename, int(lineno)).strip() if quote else ""
         if source:
             out.append(f"{indent}  {source}")
     return "\n".join(out)

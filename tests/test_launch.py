@@ -1,0 +1,254 @@
+"""labsupport.launch on real processes: results, environment, failures, hygiene."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from labsupport import LaunchError, LaunchTimeout, launch, runtime
+
+TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def rank_descendants() -> list[psutil.Process]:
+    """Processes below our children: ranks (children of the forkserver) and theirs."""
+    me = os.getpid()
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.ppid() != me and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def assert_no_ranks_left(pids=()) -> None:
+    deadline = time.monotonic() + 5
+    while rank_descendants() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rank_descendants() == []
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def env_and_sum():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return {k: os.environ[k] for k in TORCHRUN_VARS} | {"sum": t.item(), "pid": os.getpid()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_results_come_back_in_rank_order_with_the_torchrun_environment(world_size):
+    results = launch(env_and_sum, world_size=world_size, timeout=60)
+    assert [r["RANK"] for r in results] == [str(i) for i in range(world_size)]
+    assert [r["LOCAL_RANK"] for r in results] == [str(i) for i in range(world_size)]
+    for r in results:
+        assert r["WORLD_SIZE"] == r["LOCAL_WORLD_SIZE"] == str(world_size)
+        assert r["GROUP_RANK"] == "0"
+        assert r["MASTER_ADDR"] == "127.0.0.1" and int(r["MASTER_PORT"]) > 0
+        assert r["sum"] == world_size * (world_size + 1) / 2
+    assert len({r["pid"] for r in results}) == world_size
+    assert_no_ranks_left([r["pid"] for r in results])
+
+
+def test_lambdas_closures_and_arguments_travel_by_value():
+    offset = 10  # captured by the closure below
+
+    def closure(scale, *, shift):
+        return dist.get_rank() * scale + shift + offset
+
+    assert launch(closure, 3, args=(2,), kwargs={"shift": 1}, timeout=60) == [11, 13, 15]
+    assert launch(lambda: dist.get_world_size() * 7, 2, timeout=60) == [14, 14]
+
+
+def test_device_is_cpu_with_gloo_and_threads_are_shared_out():
+    results = launch(lambda: (str(runtime.device()), torch.get_num_threads()), 2, timeout=60)
+    cores = len(os.sched_getaffinity(0))
+    assert results == [("cpu", max(1, cores // 2))] * 2
+
+
+def test_unpicklable_argument_fails_before_any_rank_starts():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(LaunchError, match="pickle") as info:
+        launch(lambda lock: None, 2, args=(threading.Lock(),), timeout=60)
+    assert "inside fn" in str(info.value)
+    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert after <= before
+
+
+def raise_on_rank_one():
+    t = torch.ones(4)
+    if dist.get_rank() == 1:
+        time.sleep(0.2)  # the others are already blocked in all_reduce
+        raise ValueError("rank one is broken")
+    dist.all_reduce(t)
+    return os.getpid()
+
+
+def test_one_rank_raising_stops_the_others_blocked_in_all_reduce():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(raise_on_rank_one, 4, timeout=120)
+    elapsed = time.monotonic() - start
+    assert elapsed < 10, f"failure took {elapsed:.1f} s to surface"
+    error = info.value
+    assert error.root_rank == 1
+    text = str(error)
+    assert text.startswith("rank 1 failed (root cause): ValueError: rank one is broken")
+    assert 'raise ValueError("rank one is broken")' in text  # the source line is quoted
+    assert "test_launch.py" in text
+    assert set(error.failures) == {0, 1, 2, 3}
+    assert all(error.failures[r].knock_on for r in (0, 2, 3))
+    assert_no_ranks_left()
+
+
+def kill_myself_on_rank(rank, how):
+    if dist.get_rank() == rank:
+        if how == "signal":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+    dist.barrier()
+
+
+@pytest.mark.parametrize(
+    ("how", "summary"), [("signal", "killed by signal SIGKILL"), ("exit", "exited with code 3")]
+)
+def test_a_rank_dying_without_a_python_error_is_reported(how, summary):
+    with pytest.raises(LaunchError) as info:
+        launch(kill_myself_on_rank, 3, args=(2, how), timeout=60)
+    assert info.value.root_rank == 2
+    assert info.value.failures[2].summary.startswith(summary)
+    assert str(info.value).startswith(f"rank 2 failed (root cause): {summary}")
+    assert_no_ranks_left()
+
+
+def hang_with_a_child():
+    if dist.get_rank() == 0:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        time.sleep(600)
+    dist.barrier()
+
+
+def test_a_silent_hang_hits_the_timeout_and_kills_what_the_ranks_started():
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(hang_with_a_child, 3, timeout=3)
+    assert time.monotonic() - start < 10
+    text = str(info.value)
+    assert "timed out after 3 s" in text and "still running: 0, 1, 2" in text
+    assert "time.sleep(600)" in text  # where rank 0 hung
+    assert "in barrier" in text  # where the others waited
+    assert_no_ranks_left()
+
+
+def big_result(megabytes):
+    return torch.full((megabytes * 2**20 // 4,), float(dist.get_rank()))
+
+
+def test_large_return_values_do_not_deadlock():
+    results = launch(big_result, 2, args=(100,), timeout=120)
+    assert [r.numel() * 4 for r in results] == [100 * 2**20] * 2
+    assert results[1][-1].item() == 1.0
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_fifty_launches_leak_no_processes_or_file_descriptors():
+    launch(env_and_sum, 2, timeout=60)  # the forkserver is up before we count
+    fds, children = open_fds(), {p.pid for p in psutil.Process().children()}
+    for _ in range(50):
+        launch(env_and_sum, 2, timeout=60)
+    with pytest.raises(LaunchError):
+        launch(raise_on_rank_one, 2, timeout=60)
+    assert open_fds() == fds
+    assert {p.pid for p in psutil.Process().children()} == children
+    assert_no_ranks_left()
+
+
+def test_the_callers_environment_is_untouched_after_success_and_failure():
+    before = dict(os.environ)
+    launch(env_and_sum, 2, env={"EXTRA_FOR_RANKS": "1"}, timeout=60)
+    assert dict(os.environ) == before
+    with pytest.raises(LaunchError):
+        launch(raise_on_rank_one, 2, timeout=60)
+    assert dict(os.environ) == before
+
+
+def test_extra_environment_reaches_the_ranks_only():
+    assert launch(lambda: os.environ.get("EXTRA_FOR_RANKS"), 2, env={"EXTRA_FOR_RANKS": "x"}) == [
+        "x",
+        "x",
+    ]
+    assert "EXTRA_FOR_RANKS" not in os.environ
+
+
+def chatty():
+    print(f"hello from {dist.get_rank()}")
+    print(f"oops from {dist.get_rank()}", file=sys.stderr)
+    return None
+
+
+def test_output_is_prefixed_with_the_rank(capsys):
+    launch(chatty, 2, timeout=60)
+    out, err = capsys.readouterr()
+    assert sorted(line for line in out.splitlines() if "hello" in line) == [
+        "[rank 0] hello from 0",
+        "[rank 1] hello from 1",
+    ]
+    assert "[rank 1] oops from 1" in err
+
+
+@pytest.mark.skipif(runtime.gpus_visible() >= 2, reason="this machine has GPUs for nccl")
+def test_nccl_without_gpus_is_a_clear_error_before_anything_starts():
+    with pytest.raises(LaunchError, match="one GPU per rank.*backend='gloo'"):
+        launch(env_and_sum, 2, backend="nccl")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, "world_size must be a positive integer"),
+        ({"world_size": 2.5}, "world_size must be a positive integer"),
+        ({"timeout": -1}, "timeout must be a positive number"),
+        ({"backend": "carrier-pigeon"}, "unknown backend"),
+    ],
+)
+def test_bad_arguments_are_refused_with_a_message(kwargs, message):
+    with pytest.raises((ValueError, LaunchError), match=message):
+        launch(env_and_sum, **({"world_size": 2} | kwargs))
+
+
+def test_fn_must_be_callable():
+    with pytest.raises(TypeError, match="needs a function"):
+        launch("not a function", 2)
+
+
+def interrupt_soon(pid, delay):
+    threading.Timer(delay, os.kill, args=(pid, signal.SIGINT)).start()
+
+
+def test_keyboard_interrupt_stops_every_rank():
+    interrupt_soon(os.getpid(), 1.5)
+    with pytest.raises(KeyboardInterrupt):
+        launch(hang_with_a_child, 3, timeout=60)
+    assert_no_ranks_left()
