@@ -215,6 +215,7 @@ class _LiveView:
     def __init__(self):
         self.handle = None
         self.buffer: list[str] = []
+        self.shown = 0
         self.last = 0.0
         if _in_jupyter():
             from IPython.display import display
@@ -231,12 +232,14 @@ class _LiveView:
             print(shown, file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
             return
         self.buffer.append(shown)
-        if time.monotonic() - self.last > self.REFRESH_S:
-            self._refresh()
+        self.poll()
 
-    def _refresh(self) -> None:
-        self.handle.update({"text/plain": "\n".join(self.buffer[-200:])}, raw=True)
-        self.last = time.monotonic()
+    def poll(self) -> None:
+        """Show new lines, at most every ``REFRESH_S`` seconds."""
+        stale = self.handle is not None and len(self.buffer) > self.shown
+        if stale and time.monotonic() - self.last > self.REFRESH_S:
+            self.handle.update({"text/plain": "\n".join(self.buffer[-200:])}, raw=True)
+            self.last, self.shown = time.monotonic(), len(self.buffer)
 
     def finish(self, ranks: list[_Rank]) -> None:
         if self.handle is None:
@@ -476,6 +479,7 @@ def _supervise(ranks: list[_Rank], deadline: float, view: _LiveView) -> None:
         owners = {id(w): r for r in ranks for w in r.waitables()}
         waitables = [w for r in ranks for w in r.waitables()]
         ready = multiprocessing.connection.wait(waitables, timeout=0.1)
+        view.poll()
         for item in ready:
             rank = owners[id(item)]
             if item is rank.result_conn:

@@ -1,0 +1,134 @@
+"""labsupport.launch inside a real Jupyter kernel: notebook functions, output, interrupts."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import psutil
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    manager, client = start_new_kernel(kernel_name="python3")
+    try:
+        yield manager, client
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def run_cell(client, code: str, timeout: float = 120) -> tuple[list[dict], dict]:
+    """Execute ``code``; return the cell's iopub messages (in order) and the reply."""
+    msg_id = client.execute(code)
+    messages = []
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+        messages.append(msg)
+    reply = client.get_shell_msg(timeout=timeout)
+    return messages, reply["content"]
+
+
+def streams(messages, name="stdout") -> str:
+    return "".join(
+        m["content"]["text"]
+        for m in messages
+        if m["msg_type"] == "stream" and m["content"]["name"] == name
+    )
+
+
+def test_a_function_defined_in_the_notebook_runs_on_every_rank(kernel):
+    _, client = kernel
+    messages, reply = run_cell(
+        client,
+        "import torch, torch.distributed as dist\n"
+        "from labsupport import launch\n"
+        "GREETING = 'hello'\n"
+        "def greet(n):\n"
+        "    for i in range(n):\n"
+        "        print(GREETING, 'from rank', dist.get_rank(), 'line', i)\n"
+        "    return dist.get_rank() ** 2\n"
+        "results = launch(greet, world_size=4, args=(3,))\n"
+        "print(results)\n",
+    )
+    assert reply["status"] == "ok", reply
+    expected = "".join(
+        f"[rank {r}] hello from rank {r} line {i}\n" for r in range(4) for i in range(3)
+    )
+    # The record that stays in the notebook is grouped by rank, whatever the timing.
+    assert streams(messages) == expected + "[0, 1, 4, 9]\n"
+
+
+def test_output_is_live_while_the_ranks_run(kernel):
+    _, client = kernel
+    messages, reply = run_cell(
+        client,
+        "import time\n"
+        "def slow():\n"
+        "    print('before the pause')\n"
+        "    time.sleep(1.0)\n"
+        "    print('after the pause')\n"
+        "launch(slow, world_size=2)\n",
+    )
+    assert reply["status"] == "ok", reply
+    # While it ran, output went live into a display area of the cell...
+    displays = [m for m in messages if m["msg_type"] in ("display_data", "update_display_data")]
+    assert displays[0]["msg_type"] == "display_data"
+    shown = [m["content"]["data"]["text/plain"] for m in displays]
+    assert any("before the pause" in text and "after" not in text for text in shown)
+    # ... which is emptied at the end: a stored notebook keeps the rank-ordered record.
+    assert shown[-1] == "" and shown[0] == ""
+    assert streams(messages) == "".join(
+        f"[rank {r}] {what} the pause\n" for r in range(2) for what in ("before", "after")
+    )
+
+
+def test_a_failing_rank_shows_the_notebook_cell_in_its_traceback(kernel):
+    _, client = kernel
+    messages, reply = run_cell(
+        client,
+        "def broken():\n"
+        "    if dist.get_rank() == 2:\n"
+        "        raise KeyError('missing shard')\n"
+        "    dist.barrier()\n"
+        "launch(broken, world_size=3)\n",
+    )
+    assert reply["status"] == "error"
+    assert reply["ename"] == "LaunchError"
+    assert reply["evalue"].startswith("rank 2 failed (root cause): KeyError: 'missing shard'")
+    assert "Cell In[" in reply["evalue"] and "raise KeyError('missing shard')" in reply["evalue"]
+
+
+def test_interrupting_the_kernel_stops_every_rank(kernel):
+    manager, client = kernel
+    kernel_process = psutil.Process(manager.provisioner.process.pid)
+    msg_id = client.execute(
+        "import time\ndef stuck():\n    time.sleep(600)\nlaunch(stuck, world_size=3, timeout=300)\n"
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait until the ranks are up
+        ranks = [
+            p for p in kernel_process.children(recursive=True) if p.ppid() != kernel_process.pid
+        ]
+        if len(ranks) >= 3:
+            break
+        time.sleep(0.1)
+    assert len(ranks) >= 3, "the ranks never started"
+    started = time.monotonic()
+    manager.interrupt_kernel()
+    reply = client.get_shell_msg(timeout=60)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert time.monotonic() - started < 10
+    gone, alive = psutil.wait_procs(ranks, timeout=5)
+    assert alive == []
+    with pytest.raises(queue.Empty):  # drain
+        while True:
+            client.get_iopub_msg(timeout=0.5)
