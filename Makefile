@@ -1,0 +1,69 @@
+# Distributed Training, Hands-On: build the course, run its tests.
+#   make book     build the website into _build/html (creates .venv on first use)
+#   make test     the whole suite: lint, unit tests, strict nbval on every lab,
+#                 the strict book build, the website in headless Chromium
+#   make lab      JupyterLab on the labs
+#   make execute  re-execute the labs in place, storing their outputs
+#   make figures  regenerate the chapters' figures from labsupport
+#   make bench    benchmarks, printed as tables with ratios
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+LABS := $(wildcard labs/*.ipynb)
+MATHJAX := _build/_vendor/mathjax
+
+.PHONY: book test lint unit nbval browser lab execute figures bench lock clean
+
+$(STAMP): requirements.lock pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "the course needs Python 3.11: run make PYTHON=python3.11")'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==25.3
+	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+$(MATHJAX): $(STAMP)
+	mkdir -p $(dir $@)
+	rm -rf $@ && cp -r "$$($(PY) -c 'import jupyter_server_mathjax, os; print(os.path.dirname(jupyter_server_mathjax.__file__))')/static" $@
+
+book: $(STAMP) $(MATHJAX)
+	$(VENV)/bin/jupyter-book build . --warningiserror --nitpick --keep-going
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check labsupport tests bench labs
+	$(VENV)/bin/ruff format --check labsupport tests bench labs
+
+unit: $(STAMP)
+	$(PY) -m pytest tests --ignore=tests/browser -q
+
+nbval: $(STAMP)
+	cd labs && ../$(PY) -m pytest --nbval $(notdir $(LABS)) --nbval-sanitize-with ../tests/nbval_sanitize.cfg -p no:cacheprovider -q
+
+browser: $(STAMP)
+	$(PY) -m pytest tests/browser -q
+
+test: lint unit nbval book browser
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab labs
+
+execute: $(STAMP)
+	$(PY) -m labsupport.execute $(LABS)
+
+figures: $(STAMP)
+	$(PY) -m labsupport.figures chapters/figures
+
+bench: $(STAMP)
+	$(PY) bench/launch.py
+
+lock:
+	rm -rf _build/lock-venv && $(PYTHON) -m venv _build/lock-venv
+	_build/lock-venv/bin/pip install --quiet pip==25.3 && _build/lock-venv/bin/pip install --quiet -r requirements.in
+	{ head -2 requirements.lock; _build/lock-venv/bin/pip freeze | sed 's/+cpu$$//'; } > requirements.lock.new
+	mv requirements.lock.new requirements.lock
+
+clean:
+	rm -rf _build
