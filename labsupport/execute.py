@@ -17,12 +17,15 @@ from nbclient import NotebookClient
 
 def execute(path: Path, timeout: int = 600) -> float:
     nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)  # timestamps would churn every diff
     client = NotebookClient(
         nb,
         timeout=timeout,
         kernel_name="python3",
         resources={"metadata": {"path": str(path.parent)}},
         store_widget_state=True,
+        record_timing=False,
     )
     start = time.perf_counter()
     client.execute()

@@ -66,6 +66,10 @@ class LaunchError(RuntimeError):
         self.failures = failures or {}
         self.root_rank = root_rank
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: the ranks' tracebacks, not the launcher's own frames."""
+        return [f"\x1b[31m{type(self).__name__}\x1b[39m: {self}"]
+
 
 class LaunchTimeout(LaunchError):
     """The launch ran past its ``timeout``; ``failures`` names the ranks still running."""
@@ -205,32 +209,37 @@ class _LiveView:
     """Rank output, live while the launch runs and rank-ordered when it ends.
 
     In a terminal, each line is printed as it arrives, prefixed with its rank. In a
-    Jupyter kernel, the lines appear live in a display area; when the launch ends that
-    area is emptied and the output is printed again grouped by rank, so the record
-    that stays in the notebook is the same on every run (nbval compares it).
+    Jupyter kernel, the lines appear live in a display area (created when the first
+    line arrives); when the launch ends that area is emptied and the output is printed
+    again grouped by rank, so the record that stays in the notebook is the same on
+    every run (nbval compares it).
     """
 
     REFRESH_S = 0.25
 
     def __init__(self):
+        self.jupyter = _in_jupyter()
         self.handle = None
         self.buffer: list[str] = []
         self.shown = 0
         self.last = 0.0
-        if _in_jupyter():
-            from IPython.display import display
-
-            self.handle = display(self._placeholder(), raw=True, display_id=True)
 
     @staticmethod
-    def _placeholder() -> dict:
-        return {"text/plain": ""}
+    def _bundle(lines: list[str]) -> dict:
+        import html
+
+        text = "\n".join(lines)
+        return {"text/plain": text, "text/html": f"<pre>{html.escape(text)}</pre>" if text else ""}
 
     def line(self, rank: int, stream: str, text: str) -> None:
         shown = f"[rank {rank}] {text}"
-        if self.handle is None:
+        if not self.jupyter:
             print(shown, file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
             return
+        if self.handle is None:
+            from IPython.display import display
+
+            self.handle = display(self._bundle([]), raw=True, display_id=True)
         self.buffer.append(shown)
         self.poll()
 
@@ -238,13 +247,13 @@ class _LiveView:
         """Show new lines, at most every ``REFRESH_S`` seconds."""
         stale = self.handle is not None and len(self.buffer) > self.shown
         if stale and time.monotonic() - self.last > self.REFRESH_S:
-            self.handle.update({"text/plain": "\n".join(self.buffer[-200:])}, raw=True)
+            self.handle.update(self._bundle(self.buffer[-200:]), raw=True)
             self.last, self.shown = time.monotonic(), len(self.buffer)
 
     def finish(self, ranks: list[_Rank]) -> None:
         if self.handle is None:
             return
-        self.handle.update(self._placeholder(), raw=True)
+        self.handle.update(self._bundle([]), raw=True)
         for stream, file in (("stdout", sys.stdout), ("stderr", sys.stderr)):
             text = "".join(f"[rank {r.rank}] {line}\n" for r in ranks for line in r.lines[stream])
             if text:
@@ -308,7 +317,7 @@ def _restore_sources(text: str, files: dict[str, str]) -> str:
             out.append(line)
             continue
         indent, filename, lineno, comma, name = match.groups()
-        quote = not comma  # a faulthandler frame
+        quote = not comma  # a faulthandler frame; Python tracebacks quote already
         if filename == "<dynamic-code>":
             filename, quote = files.get(name), True
             if filename is None:
@@ -322,11 +331,22 @@ def _restore_sources(text: str, files: dict[str, str]) -> str:
 
 
 def _where(filename: str) -> str:
-    """IPython's name for a cell ("Cell In[5]"), or the file's."""
+    """IPython's name for a cell ("Cell In[5]"), or the file's, relative to sys.path."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython else None
     named = shell.compile.format_code_name(filename) if shell is not None else None
-    return " ".join(named) if named else f'File "{filename}"'
+    return " ".join(named) if named else f'File "{_short_path(filename)}"'
+
+
+def _short_path(filename: str) -> str:
+    """``.../site-packages/torch/x.py`` -> ``torch/x.py``: what is importable, not where."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [*sys.path, package_root]
+    roots = sorted((p for p in paths if p and os.path.isabs(p)), key=len, reverse=True)
+    for root in roots:
+        if filename.startswith(root.rstrip("/") + "/"):
+            return filename[len(root.rstrip("/")) + 1 :]
+    return filename
 
 
 def _pickle_job(fn, args, kwargs) -> bytes:
@@ -341,7 +361,7 @@ def _pickle_job(fn, args, kwargs) -> bytes:
         ) from exc
 
 
-def _rank_environment(rank: int, world_size: int, port: int, run_id: str, extra) -> dict:
+def rank_environment(rank: int, world_size: int, port: int, run_id: str, extra) -> dict:
     """The environment torchrun gives a worker, for a single node."""
     env = dict(os.environ)
     env.update(extra or {})
@@ -401,6 +421,7 @@ def launch(
     naming the root-cause rank with its traceback when a rank fails (every other rank
     is stopped first), and :class:`LaunchTimeout` after ``timeout`` seconds.
     """
+    __tracebackhide__ = True  # IPython and pytest show the ranks' traceback, not ours
     _check_arguments(fn, world_size, timeout)
     try:
         backend = runtime.resolve_backend(backend, world_size)
@@ -420,7 +441,7 @@ def launch(
         for rank in range(world_size):
             job = {
                 "payload": payload,
-                "env": _rank_environment(rank, world_size, store.port, run_id, env),
+                "env": rank_environment(rank, world_size, store.port, run_id, env),
                 "backend": backend,
                 "timeout": timeout,
                 "num_threads": _threads_per_rank(world_size),
@@ -544,6 +565,7 @@ def _shorten(text: str, width: int = 160) -> str:
 
 
 def _outcome(ranks: list[_Rank], timeout: float) -> list:
+    __tracebackhide__ = True
     failures = {r.rank: r.failure for r in ranks if r.failure is not None}
     if not failures:
         results = []

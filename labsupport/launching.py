@@ -159,3 +159,35 @@ def torchrun_nodes(
         raise RuntimeError(f"a torchrun node failed:\n{report}")
     lines = [line for out in outputs for line in out.splitlines() if line.startswith("[rank ")]
     return sorted(lines, key=lambda line: int(re.match(r"\[rank (\d+)\]", line).group(1)))
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+def check_global_rank(fn) -> None:
+    """Exercise 1: ``fn(node_rank, local_rank, nproc_per_node)`` must give torchrun's rank."""
+    for nproc in (1, 2, 4, 8):
+        for node in range(4):
+            for local in range(nproc):
+                got, want = fn(node, local, nproc), global_rank(node, local, nproc)
+                assert got == want, (
+                    f"node_rank={node}, local_rank={local}, nproc_per_node={nproc}: "
+                    f"got {got}, torchrun gives rank {want}"
+                )
+    print("Correct: ranks fill node 0 first, then node 1, ...")
+
+
+def check_ring_sum(fn, world_sizes=(2, 3, 4)) -> None:
+    """Exercise 2: ``fn()`` on every rank; rank 0 must return the sum of all ranks.
+
+    Runs ``fn`` with :func:`labsupport.launch` at several world sizes (odd ones too).
+    """
+    from labsupport.launcher import launch
+
+    for world in world_sizes:
+        results = launch(fn, world_size=world, timeout=60)
+        want = world * (world - 1) // 2
+        assert results[0] == want, (
+            f"world_size={world}: rank 0 returned {results[0]!r}, expected {want}"
+        )
+    print(f"Correct for world sizes {', '.join(map(str, world_sizes))}.")
