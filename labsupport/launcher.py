@@ -560,8 +560,11 @@ def _stop_survivors(ranks: list[_Rank], kind: str, summary: str) -> None:
 
 
 def _shorten(text: str, width: int = 160) -> str:
+    """First sentence of an error, without the C++ source location gloo/NCCL prefix."""
     line = text.splitlines()[0] if text else ""
-    return line if len(line) <= width else line[: width - 1] + "…"
+    line = re.sub(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\] ", "", line)
+    line = re.sub(r"(\.)\s.*$", r"\1", line)
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 def _outcome(ranks: list[_Rank], timeout: float) -> list:

@@ -118,10 +118,12 @@ def torchrun_nodes(
 ) -> list[str]:
     """Run ``target`` (``module:function``) as ``nnodes`` torchrun "nodes" on this machine.
 
-    Each node is its own ``torchrun`` process with ``--node-rank`` set, meeting the others
-    through c10d rendezvous on 127.0.0.1, exactly as separate machines would meet at the
-    first node's address. Returns the ``[rank N] -> value`` lines the ranks printed,
-    sorted by rank. Raises ``RuntimeError`` with each node's output if a node fails.
+    Each node is its own ``torchrun`` process, meeting the others through c10d rendezvous
+    on 127.0.0.1, exactly as separate machines would meet at the first node's address.
+    With c10d rendezvous torchrun numbers the nodes in the order they join (it ignores
+    ``--node-rank``, which only the static rendezvous uses). Returns the
+    ``[rank N] -> value`` lines the ranks printed, sorted by rank. Raises
+    ``RuntimeError`` with each node's output if a node fails.
     """
     endpoint = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
@@ -130,11 +132,11 @@ def torchrun_nodes(
         [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
-            f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
             "--rdzv-id=labsupport-nodes", "--max-restarts=0",
             "-m", "labsupport.run", target, *args,
         ]
-        for node in range(nnodes)
+        for _ in range(nnodes)
     ]  # fmt: skip
     nodes = [
         subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -3,7 +3,7 @@
 A lab calls ``launch(fn, world_size=4)``; on a cluster the same function runs with::
 
     torchrun --nproc-per-node 4 -m labsupport.run labsupport.launching:world_info
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 \\
+    torchrun --nnodes 2 --nproc-per-node 8 \\
         --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id job1 \\
         -m labsupport.run labsupport.launching:world_info
 
