@@ -31,8 +31,7 @@ FIGURES = {"06-ranks.png": ranks_on_two_nodes}
 
 
 def save(fig, path: Path) -> None:
-    with plt.rc_context(plotting.STYLE):
-        fig.savefig(path, metadata={"Software": None}, bbox_inches="tight")
+    fig.savefig(path, metadata={"Software": None}, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -39,9 +39,14 @@ def rank_color(rank: int) -> str:
 
 
 def figure(width: float = 7.0, height: float = 3.0):
-    """A new figure and axes in the course style."""
-    with plt.rc_context(STYLE):
-        return plt.subplots(figsize=(width, height))
+    """A new figure and axes in the course style.
+
+    The style is set in ``rcParams`` for the session rather than inside
+    ``plt.rc_context``: leaving that context also resets the backend Jupyter chose,
+    and the inline backend then stops showing figures.
+    """
+    plt.rcParams.update(STYLE)
+    return plt.subplots(figsize=(width, height))
 
 
 def draw_ranks(infos: list[dict], ax=None, title: str | None = None):
