@@ -57,7 +57,7 @@ figures: $(STAMP)
 	$(PY) -m labsupport.figures chapters/figures
 
 bench: $(STAMP)
-	$(PY) bench/launch.py
+	$(PY) -m bench.launch
 
 lock:
 	rm -rf _build/lock-venv && $(PYTHON) -m venv _build/lock-venv

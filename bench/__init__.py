@@ -1,0 +1,1 @@
+"""Benchmarks: `make bench`. Each prints a table of times measured side by side."""
