@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -169,6 +170,11 @@ def test_large_return_values_do_not_deadlock():
     assert results[1][-1].item() == 1.0
 
 
+def mp_temp_dirs() -> set[str]:
+    """multiprocessing's temporary folders (its forkserver keeps one per process)."""
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("pymp-")}
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -176,12 +182,14 @@ def open_fds() -> int:
 def test_fifty_launches_leak_no_processes_or_file_descriptors():
     launch(env_and_sum, 2, timeout=60)  # the forkserver is up before we count
     fds, children = open_fds(), {p.pid for p in psutil.Process().children()}
+    temp_files = mp_temp_dirs()
     for _ in range(50):
         launch(env_and_sum, 2, timeout=60)
     with pytest.raises(LaunchError):
         launch(raise_on_rank_one, 2, timeout=60)
     assert open_fds() == fds
     assert {p.pid for p in psutil.Process().children()} == children
+    assert mp_temp_dirs() == temp_files
     assert_no_ranks_left()
 
 
