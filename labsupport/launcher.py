@@ -178,7 +178,7 @@ class _Rank:
                 self.failure = RankFailure(self.rank, "signal", f"killed by signal {name}")
             else:
                 self.failure = RankFailure(
-                    self.rank, "exit", f"exited with code {code} before returning"
+                    self.rank, "exit", f"exited with code {code} before returning{_main_hint()}"
                 )
 
     def kill(self) -> None:
@@ -259,6 +259,17 @@ class _LiveView:
             if text:
                 file.write(text)
                 file.flush()
+
+
+def _main_hint() -> str:
+    """A rank that dies while starting, in a script: the usual multiprocessing cause."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__spec__", None) is None and getattr(main, "__file__", None):
+        return (
+            ' (if this is a script, call launch() under `if __name__ == "__main__":`'
+            " - each rank re-imports the main script, as with multiprocessing's spawn)"
+        )
+    return ""
 
 
 def _in_jupyter() -> bool:

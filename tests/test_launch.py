@@ -260,3 +260,11 @@ def test_keyboard_interrupt_stops_every_rank():
     with pytest.raises(KeyboardInterrupt):
         launch(hang_with_a_child, 3, timeout=60)
     assert_no_ranks_left()
+
+
+def test_a_script_without_a_main_guard_is_told_what_to_do(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text("from labsupport import launch\nlaunch(lambda: 1, 2, timeout=60)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert 'call launch() under `if __name__ == "__main__":`' in out.stderr
