@@ -217,12 +217,16 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None) -> 
 def _ring_reduce_scatter(g: _Group, chunks: list[torch.Tensor], combine) -> None:
     """In place: afterwards ``chunks[me]`` holds the combination of every rank's chunk."""
     right, left = (g.me + 1) % g.size, (g.me - 1) % g.size
+    scratch = torch.empty(
+        max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device
+    )
     for step in range(g.size - 1):
         send_index = (g.me - 1 - step) % g.size
         recv_index = (g.me - 2 - step) % g.size
-        incoming = torch.empty_like(chunks[recv_index])
+        target = chunks[recv_index]
+        incoming = scratch[: target.numel()].view_as(target)
         _send_recv(g, send=chunks[send_index], dst=right, recv=incoming, src=left)
-        chunks[recv_index].copy_(combine(chunks[recv_index], incoming))
+        combine(target, incoming, out=target)
 
 
 def _ring_all_gather(g: _Group, chunks: list[torch.Tensor]) -> None:
