@@ -214,6 +214,17 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None) -> 
 # --------------------------------------------------------------------------- ring
 
 
+def ring_chunk(phase: str, rank: int, step: int, world_size: int) -> int:
+    """The chunk ``rank`` sends to its right neighbour at ``step`` of a ring phase.
+
+    Reduce-scatter: chunk ``rank - 1 - step``, so that chunk ``j`` starts at rank
+    ``j + 1`` and has visited every rank when it reaches rank ``j`` after N - 1 steps.
+    All-gather: chunk ``rank - step``, passing on the chunk received the step before.
+    """
+    offset = 1 if phase == "reduce-scatter" else 0
+    return (rank - offset - step) % world_size
+
+
 def _ring_reduce_scatter(g: _Group, chunks: list[torch.Tensor], combine) -> None:
     """In place: afterwards ``chunks[me]`` holds the combination of every rank's chunk."""
     right, left = (g.me + 1) % g.size, (g.me - 1) % g.size
@@ -221,8 +232,8 @@ def _ring_reduce_scatter(g: _Group, chunks: list[torch.Tensor], combine) -> None
         max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device
     )
     for step in range(g.size - 1):
-        send_index = (g.me - 1 - step) % g.size
-        recv_index = (g.me - 2 - step) % g.size
+        send_index = ring_chunk("reduce-scatter", g.me, step, g.size)
+        recv_index = ring_chunk("reduce-scatter", left, step, g.size)
         target = chunks[recv_index]
         incoming = scratch[: target.numel()].view_as(target)
         _send_recv(g, send=chunks[send_index], dst=right, recv=incoming, src=left)
@@ -233,8 +244,8 @@ def _ring_all_gather(g: _Group, chunks: list[torch.Tensor]) -> None:
     """In place: ``chunks[i]`` of rank ``i`` is copied into ``chunks[i]`` of every rank."""
     right, left = (g.me + 1) % g.size, (g.me - 1) % g.size
     for step in range(g.size - 1):
-        send_index = (g.me - step) % g.size
-        recv_index = (g.me - 1 - step) % g.size
+        send_index = ring_chunk("all-gather", g.me, step, g.size)
+        recv_index = ring_chunk("all-gather", left, step, g.size)
         _send_recv(g, send=chunks[send_index], dst=right, recv=chunks[recv_index], src=left)
 
 

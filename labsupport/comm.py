@@ -109,3 +109,55 @@ def bus_bandwidth(nbytes, seconds, world_size: int):
     """
     algbw = np.asarray(nbytes, dtype=float) / np.asarray(seconds, dtype=float)
     return algbw * 2 * (world_size - 1) / world_size
+
+
+def time_all_reduce(sizes, algorithm: str = "ring", repeats: int = 5) -> list[dict] | None:
+    """Median time of an all-reduce of each size in bytes (run on every rank).
+
+    ``algorithm`` is one of ``labsupport.collectives.ALGORITHMS`` or ``"torch"`` for
+    ``torch.distributed.all_reduce``. Every repetition starts after a barrier, and the
+    slowest rank's time counts (an all-reduce is done when every rank has the result).
+    Returns on rank 0 one dict per size with ``bytes`` and ``seconds``; ``None`` elsewhere.
+    """
+    from labsupport import collectives
+
+    results = []
+    for size in sizes:
+        tensor = torch.ones(max(1, size // 4), dtype=torch.float32, device=device())
+        times = []
+        for i in range(repeats + 1):  # the first run warms up buffers and connections
+            dist.barrier()
+            start = time.perf_counter()
+            if algorithm == "torch":
+                dist.all_reduce(tensor)
+            else:
+                collectives.all_reduce(tensor, algorithm=algorithm)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i:
+                times.append(elapsed.item())
+        results.append({"bytes": size, "seconds": float(np.median(times))})
+    return results if dist.get_rank() == 0 else None
+
+
+def check_ring_bytes(fn) -> None:
+    """Exercise (lab 8): ``fn(nbytes, world_size)`` must give the bytes each rank sends
+    in a ring all-reduce of ``nbytes``, for sizes that divide by the world size."""
+    for world in (2, 3, 4, 8, 64):
+        for nbytes in (world * 4, world * 4096, world * 10**6):
+            got, want = fn(nbytes, world), 2 * (world - 1) * nbytes // world
+            assert got == want, f"nbytes={nbytes}, world_size={world}: got {got}, expected {want}"
+    print("Correct: 2 (N-1)/N x S, whatever the number of ranks.")
+
+
+def check_ring_time(fn) -> None:
+    """Exercise (lab 8): ``fn(nbytes, world_size, alpha, beta)`` must give the alpha-beta
+    time of a ring all-reduce."""
+    for world in (2, 8, 1024):
+        for nbytes in (4, 2**20, 2**30):
+            got = fn(nbytes, world, 1e-5, 1e-10)
+            want = float(all_reduce_time("ring", world, nbytes, 1e-5, 1e-10))
+            assert abs(got - want) <= 1e-9 * want, (
+                f"nbytes={nbytes}, world_size={world}: got {got:.6g} s, expected {want:.6g} s"
+            )
+    print("Correct: 2 (N-1) alpha + 2 (N-1)/N S beta.")
