@@ -58,6 +58,7 @@ figures: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.launch
+	$(PY) -m bench.allreduce
 
 lock:
 	rm -rf _build/lock-venv && $(PYTHON) -m venv _build/lock-venv
