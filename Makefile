@@ -27,7 +27,7 @@ $(STAMP): requirements.lock pyproject.toml
 
 $(MATHJAX): $(STAMP)
 	mkdir -p $(dir $@)
-	rm -rf $@ && cp -r "$$($(PY) -c 'import jupyter_server_mathjax, os; print(os.path.dirname(jupyter_server_mathjax.__file__))')/static" $@
+	rm -rf $@ && cp -r "$$($(PY) -c 'import mathjax, os; print(os.path.dirname(mathjax.__file__))')/static/mathjax/es5" $@
 
 book: $(STAMP) $(MATHJAX)
 	$(VENV)/bin/jupyter-book build . --warningiserror --nitpick --keep-going

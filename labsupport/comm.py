@@ -47,6 +47,8 @@ def measure_p2p(sizes=DEFAULT_SIZES, rounds: int = 20, warmup: int = 3) -> list[
             elif rank == 1:
                 dist.recv(buffer, src=0)
                 dist.send(buffer, dst=0)
+            if buffer.is_cuda:  # NCCL returns before the transfer ends: wait for it
+                torch.cuda.synchronize()
             if i >= warmup:
                 times.append(time.perf_counter() - start)
         results.append({"bytes": size, "seconds": float(np.median(times)) / 2})

@@ -152,3 +152,12 @@ def test_navigation_links_lead_from_the_intro_to_the_lab(page, site_url):
     page.wait_for_load_state("networkidle")
     assert page.url.endswith("chapters/06-launching.html")
     assert page.problems == [], "\n".join(page.problems)
+
+
+def test_math_is_typeset_offline(page, site_url):
+    page.goto(f"{site_url}/chapters/08-allreduce.html", wait_until="networkidle")
+    typeset = page.locator("main article mjx-container svg")
+    typeset.first.wait_for(state="visible", timeout=15000)
+    assert typeset.count() > 10
+    assert "\\frac" not in page.locator("main").inner_text(), "raw LaTeX left on the page"
+    assert page.problems == [], "\n".join(page.problems)
