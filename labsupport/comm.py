@@ -11,6 +11,7 @@ compared with.
 from __future__ import annotations
 
 import math
+import random
 import time
 
 import numpy as np
@@ -25,21 +26,27 @@ DEFAULT_SIZES = tuple(2**k for k in range(2, 25, 2))  # 4 B ... 16 MiB
 def measure_p2p(sizes=DEFAULT_SIZES, rounds: int = 20, warmup: int = 3) -> list[dict] | None:
     """Ping-pong between ranks 0 and 1 for each message size (run on every rank).
 
-    For each size, rank 0 sends ``n`` bytes to rank 1, which sends them back, ``rounds``
-    times after ``warmup`` untimed rounds. Returns, on rank 0, one dict per size with
-    ``bytes`` and ``seconds``, the median one-way time (half a round trip); ``None`` on
-    the other ranks, which take no part.
+    Rank 0 sends ``n`` bytes to rank 1, which sends them back. Each round visits every
+    size once, ``rounds`` times after ``warmup`` untimed rounds: a burst of load on a
+    shared machine then lands on a few rounds of every size, which the median discards,
+    rather than on every round of a few sizes; the order of the sizes changes from
+    round to round, so that no size always follows the largest one. Returns, on rank 0,
+    one dict per size with ``bytes`` and ``seconds``, the median one-way time (half a
+    round trip); ``None`` on the other ranks, which take no part.
     """
     if dist.get_world_size() < 2:
         raise ValueError("measure_p2p needs at least 2 ranks (world_size >= 2)")
-    rank = dist.get_rank()
-    results = []
     for size in sizes:
         if size % 4:
             raise ValueError(f"message sizes must be multiples of 4 bytes (float32), got {size}")
-        buffer = torch.zeros(size // 4, dtype=torch.float32, device=device())
-        times = []
-        for i in range(warmup + rounds):
+    rank = dist.get_rank()
+    buffers = [torch.zeros(size // 4, dtype=torch.float32, device=device()) for size in sizes]
+    times = [[] for _ in sizes]
+    for i in range(warmup + rounds):
+        order = list(range(len(sizes)))
+        random.Random(i).shuffle(order)  # the same order on both ranks, a new one each round
+        for index in order:
+            buffer, series = buffers[index], times[index]
             start = time.perf_counter()
             if rank == 0:
                 dist.send(buffer, dst=1)
@@ -50,8 +57,11 @@ def measure_p2p(sizes=DEFAULT_SIZES, rounds: int = 20, warmup: int = 3) -> list[
             if buffer.is_cuda:  # NCCL returns before the transfer ends: wait for it
                 torch.cuda.synchronize()
             if i >= warmup:
-                times.append(time.perf_counter() - start)
-        results.append({"bytes": size, "seconds": float(np.median(times)) / 2})
+                series.append(time.perf_counter() - start)
+    results = [
+        {"bytes": size, "seconds": float(np.median(series)) / 2}
+        for size, series in zip(sizes, times, strict=True)
+    ]
     return results if rank == 0 else None
 
 

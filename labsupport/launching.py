@@ -13,11 +13,11 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
+from labsupport import comm
 from labsupport.runtime import device
 
 
@@ -63,23 +63,11 @@ def ping_pong(num_bytes: int = 4, rounds: int = 50) -> float | None:
     """Round-trip time between ranks 0 and 1: rank 0 sends, rank 1 echoes back.
 
     Returns the median round trip in seconds on rank 0, ``None`` elsewhere. Ranks other
-    than 0 and 1 take no part.
+    than 0 and 1 take no part. (Chapter 5's :func:`labsupport.comm.measure_p2p` does the
+    same over many sizes and reports one-way times.)
     """
-    rank = dist.get_rank()
-    if dist.get_world_size() < 2:
-        raise ValueError("ping_pong needs at least 2 ranks (world_size >= 2)")
-    buffer = torch.zeros(max(1, num_bytes // 4), dtype=torch.float32, device=device())
-    times = []
-    for _ in range(rounds + 1):  # the first round warms the connection up
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(buffer, dst=1)
-            dist.recv(buffer, src=1)
-        elif rank == 1:
-            dist.recv(buffer, src=0)
-            dist.send(buffer, dst=0)
-        times.append(time.perf_counter() - start)
-    return float(torch.tensor(times[1:]).median()) if rank == 0 else None
+    results = comm.measure_p2p([num_bytes], rounds=rounds, warmup=1)
+    return 2 * results[0]["seconds"] if results is not None else None
 
 
 def failing_step(bad_rank: int = 2) -> float:
