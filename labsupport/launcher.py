@@ -43,6 +43,8 @@ from labsupport import runtime
 FAILURE_GRACE_S = 1.0
 #: How long hung ranks get, on timeout, to print where they are stuck.
 STACK_DUMP_S = 0.5
+#: How long the output pipes of an exited rank may stay open before they are closed.
+STREAM_GRACE_S = 2.0
 
 _launch_ids = itertools.count(1)
 _KNOCK_ON_HINTS = (
@@ -111,10 +113,23 @@ class _Rank:
         self.message = None  # ("ok", bytes) or ("error", dict)
         self.failure: RankFailure | None = None
         self.exited = False
+        self.exited_at = 0.0
 
     @property
     def done(self) -> bool:
         return self.exited and not self.streams and self.result_conn is None
+
+    def drain(self, view, grace: float = STREAM_GRACE_S) -> None:
+        """Read what is left on the output pipes of an exited rank, for up to ``grace``
+        seconds: a process the rank started in a session of its own may hold them open."""
+        end = time.monotonic() + grace
+        while self.streams and time.monotonic() < end:
+            for conn in multiprocessing.connection.wait(list(self.streams), timeout=0.05):
+                for stream, text in self.read_stream(conn):
+                    view.line(self.rank, stream, text)
+        for conn in list(self.streams):
+            conn.close()
+        self.streams.clear()
 
     def waitables(self) -> list:
         items = list(self.streams)
@@ -159,7 +174,7 @@ class _Rank:
     def reap(self) -> None:
         """The process has exited: drain its pipes and record its outcome."""
         self.process.join()
-        self.exited = True
+        self.exited, self.exited_at = True, time.monotonic()
         if self.result_conn is not None and self.result_conn.poll():
             self.read_result()
         if self.message is not None and self.message[0] == "error":
@@ -270,6 +285,13 @@ def _main_hint() -> str:
             " - each rank re-imports the main script, as with multiprocessing's spawn)"
         )
     return ""
+
+
+class _NullView:
+    """Where the output of ranks that are being stopped goes: kept, not shown."""
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        pass
 
 
 def _in_jupyter() -> bool:
@@ -508,6 +530,9 @@ def _supervise(ranks: list[_Rank], deadline: float, view: _LiveView) -> None:
                 stack = _innermost_frames("\n".join(r.lines["stderr"]))
                 r.failure = RankFailure(r.rank, "timeout", "still running at the timeout", stack)
             return
+        for r in ranks:
+            if r.exited and r.streams and now > r.exited_at + STREAM_GRACE_S:
+                r.drain(view, grace=0)
         owners = {id(w): r for r in ranks for w in r.waitables()}
         waitables = [w for r in ranks for w in r.waitables()]
         ready = multiprocessing.connection.wait(waitables, timeout=0.1)
@@ -564,8 +589,7 @@ def _stop_survivors(ranks: list[_Rank], kind: str, summary: str) -> None:
         if r.exited:
             continue
         r.reap()
-        while r.streams:
-            r.read_stream(next(iter(r.streams)))
+        r.drain(_NullView())
         if r.message is None:
             r.failure = RankFailure(r.rank, kind, summary, "\n".join(r.lines["stderr"][-40:]))
 

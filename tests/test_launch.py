@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labsupport import LaunchError, LaunchTimeout, launch, runtime
+from labsupport import LaunchError, LaunchTimeout, launch, runtime, warm_up
 
 TORCHRUN_VARS = (
     "RANK",
@@ -268,3 +269,30 @@ def test_a_script_without_a_main_guard_is_told_what_to_do(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert 'call launch() under `if __name__ == "__main__":`' in out.stderr
+
+
+def start_a_daemon_holding_stdout():
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True
+    )
+    print("started a daemon")
+    return daemon.pid
+
+
+def test_a_process_that_escapes_the_rank_does_not_hold_the_launch():
+    start = time.monotonic()
+    pids = launch(start_a_daemon_holding_stdout, 2, timeout=60)
+    try:
+        assert time.monotonic() - start < 10, "launch waited for the daemon's stdout"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_warm_up_starts_the_forkserver_ahead_of_the_first_launch():
+    import multiprocessing.forkserver
+
+    warm_up()
+    assert multiprocessing.forkserver._forkserver._forkserver_pid is not None
+    assert launch(lambda: dist.get_rank(), 2, timeout=60) == [0, 1]
