@@ -12,7 +12,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from labsupport import plotting
+from labsupport import estimate, plotting
 from labsupport.launching import global_rank
 
 
@@ -201,6 +201,8 @@ FIGURES = {
     "05-rails.png": rail_topology,
     "07-collectives.png": collectives_before_after,
     "08-ring.png": ring_all_reduce_steps,
+    "03-memory.png": estimate.memory_breakdown_figure,
+    "03-time-to-train.png": estimate.time_to_train_figure,
 }
 
 
