@@ -12,7 +12,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from labsupport import estimate, plotting
+from labsupport import estimate, plotting, units
 from labsupport.launching import global_rank
 
 
@@ -203,6 +203,8 @@ FIGURES = {
     "08-ring.png": ring_all_reduce_steps,
     "03-memory.png": estimate.memory_breakdown_figure,
     "03-time-to-train.png": estimate.time_to_train_figure,
+    "02-dtypes.png": units.dtype_layouts,
+    "02-range.png": units.range_and_precision,
 }
 
 
