@@ -12,7 +12,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from labsupport import estimate, plotting, units
+from labsupport import estimate, plotting, single_device, units
 from labsupport.launching import global_rank
 
 
@@ -205,6 +205,8 @@ FIGURES = {
     "03-time-to-train.png": estimate.time_to_train_figure,
     "02-dtypes.png": units.dtype_layouts,
     "02-range.png": units.range_and_precision,
+    "04-mixed-precision.png": single_device.mixed_precision_loop_figure,
+    "04-checkpointing.png": single_device.checkpoint_memory_figure,
 }
 
 
