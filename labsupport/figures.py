@@ -12,7 +12,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from labsupport import estimate, plotting, single_device, units
+from labsupport import estimate, plotting, probe, single_device, units
 from labsupport.launching import global_rank
 
 
@@ -207,6 +207,8 @@ FIGURES = {
     "02-range.png": units.range_and_precision,
     "04-mixed-precision.png": single_device.mixed_precision_loop_figure,
     "04-checkpointing.png": single_device.checkpoint_memory_figure,
+    "01-roofline.png": probe.datasheet_rooflines,
+    "01-hierarchy.png": probe.memory_hierarchy,
 }
 
 
