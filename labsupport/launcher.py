@@ -20,6 +20,7 @@ forked, and a launch costs milliseconds instead of seconds.
 from __future__ import annotations
 
 import contextlib
+import html
 import inspect
 import itertools
 import linecache
@@ -241,8 +242,6 @@ class _LiveView:
 
     @staticmethod
     def _bundle(lines: list[str]) -> dict:
-        import html
-
         text = "\n".join(lines)
         return {"text/plain": text, "text/html": f"<pre>{html.escape(text)}</pre>" if text else ""}
 
@@ -533,9 +532,9 @@ def _supervise(ranks: list[_Rank], deadline: float, view: _LiveView) -> None:
         for r in ranks:
             if r.exited and r.streams and now > r.exited_at + STREAM_GRACE_S:
                 r.drain(view, grace=0)
-        owners = {id(w): r for r in ranks for w in r.waitables()}
-        waitables = [w for r in ranks for w in r.waitables()]
-        ready = multiprocessing.connection.wait(waitables, timeout=0.1)
+        pairs = [(w, r) for r in ranks for w in r.waitables()]
+        owners = {id(w): r for w, r in pairs}
+        ready = multiprocessing.connection.wait([w for w, _ in pairs], timeout=0.1)
         view.poll()
         for item in ready:
             rank = owners[id(item)]
