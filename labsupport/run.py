@@ -2,10 +2,10 @@
 
 A lab calls ``launch(fn, world_size=4)``; on a cluster the same function runs with::
 
-    torchrun --nproc-per-node 4 -m labsupport.run labsupport.launching:world_info
+    torchrun --nproc-per-node 4 -m labsupport.run labsupport.labs.lab06_launching:world_info
     torchrun --nnodes 2 --nproc-per-node 8 \\
         --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id job1 \\
-        -m labsupport.run labsupport.launching:world_info
+        -m labsupport.run labsupport.labs.lab06_launching:world_info
 
 Each rank initialises the default process group from torchrun's environment (nccl when
 each local rank has a GPU, gloo otherwise; ``--backend`` overrides), calls the function
@@ -23,7 +23,7 @@ import sys
 
 import torch.distributed as dist
 
-from labsupport import runtime
+from labsupport.launch import runtime
 
 
 def resolve(target: str):
@@ -31,7 +31,8 @@ def resolve(target: str):
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise SystemExit(
-            f"expected module:function (e.g. labsupport.launching:world_info), got {target!r}"
+            "expected module:function "
+            f"(e.g. labsupport.labs.lab06_launching:world_info), got {target!r}"
         )
     obj = importlib.import_module(module_name)
     for part in attr.split("."):
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.stdout.write(f"[rank {dist.get_rank()}] -> {result!r}\n")
             sys.stdout.flush()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have torn it down itself
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+"""Lab 5, clusters: ping-pong measurements next to the alpha-beta model, and the
+exercises' checkers.
+
+The measuring is in :mod:`labsupport.comm.measure`, the model and its predictions in
+:mod:`labsupport.comm.cost`, the datasheet numbers in
+:mod:`labsupport.estimate.datasheets`, the drawings in :mod:`labsupport.viz.clusters`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from labsupport.comm.cost import all_reduce_time, hierarchical_all_reduce_time, p2p_time
+from labsupport.estimate import datasheets
+from labsupport.estimate.units import format_bytes
+
+
+def p2p_rows(results: list[dict], alpha: float | None = None, beta: float | None = None):
+    """Rows for :func:`labsupport.labs.cells.format_table`: size, time, bandwidth (and model).
+
+    Times are one-way (half a round trip), in microseconds; bandwidth is bytes over
+    one-way time, in GB/s (10^9 bytes/s).
+    """
+    rows = []
+    for r in results:
+        row = {
+            "size": format_bytes(r["bytes"], "auto"),
+            "time (µs)": f"{r['seconds'] * 1e6:.1f}",
+            "bandwidth (GB/s)": f"{r['bytes'] / r['seconds'] / 1e9:.3f}",
+        }
+        if alpha is not None:
+            model = float(p2p_time(r["bytes"], alpha, beta))
+            row["model (µs)"] = f"{model * 1e6:.1f}"
+            row["measured / model"] = f"{r['seconds'] / model:.2f}"
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+def check_bytes_per_second(fn) -> None:
+    """Exercise 1: ``fn(value, unit)`` must give bytes per second in one direction."""
+    cases = [
+        (400, "Gb/s"), (100, "Gb/s"), (800, "Gb/s"),
+        (900, "GB/s bidirectional"), (1800, "GB/s bidirectional"), (64, "GB/s bidirectional"),
+        (50, "GB/s"), (12.5, "GB/s"),
+    ]  # fmt: skip
+    for value, unit in cases:
+        got, want = fn(value, unit), datasheets.per_direction(value, unit)
+        hint = ""
+        if unit == "Gb/s" and math.isclose(got, value * 1e9):
+            hint = " (Gb/s counts bits: 8 bits make a byte)"
+        elif unit == "GB/s bidirectional" and math.isclose(got, value * 1e9):
+            hint = " (a bidirectional total counts both directions; one message uses one)"
+        elif math.isclose(got, want / 1e9):
+            hint = " (the answer is in bytes per second, not GB/s)"
+        assert math.isclose(got, want, rel_tol=1e-9), (
+            f"{value} {unit}: got {got!r} bytes/s, expected {want:.4g}{hint}"
+        )
+    print("Correct: 400 Gb/s = 50 GB/s per direction; NVLink's 900 GB/s = 450 GB/s each way.")
+
+
+def check_min_bucket_bytes(fn) -> None:
+    """Exercise 2: ``fn(world_size, alpha, beta, latency_share)``, the smallest bucket.
+
+    Checked against the model itself: at the returned size, the latency part of
+    :func:`labsupport.comm.cost.all_reduce_time` (ring) must be exactly ``latency_share`` of
+    the total, and it must be more for any smaller bucket.
+    """
+    ndr = datasheets.beta("InfiniBand NDR")
+    cases = [
+        (64, datasheets.ASSUMED_ALPHA, ndr, 0.1),
+        (8, 1e-6, 1 / 450e9, 0.5),
+        (2, 50e-6, 1 / 4e9, 0.01),
+        (512, datasheets.ASSUMED_ALPHA, ndr, 0.25),
+    ]
+    for world, alpha, beta, share in cases:
+        size = float(fn(world, alpha, beta, share))
+        label = f"world_size={world}, alpha={alpha:g} s, beta={beta:g} s/B, share={share}"
+        assert size > 0, f"{label}: got {size!r}, a bucket size must be positive"
+
+        def latency_share(s, world=world, alpha=alpha, beta=beta):
+            latency = all_reduce_time("ring", world, s, alpha, 0.0)
+            return float(latency / all_reduce_time("ring", world, s, alpha, beta))
+
+        got = latency_share(size)
+        assert math.isclose(got, share, rel_tol=1e-6), (
+            f"{label}: at {size:.6g} bytes the latency part is {got:.4%} of the all-reduce, "
+            f"not {share:.0%} (latency part 2(N-1)α, bandwidth part 2(N-1)/N·n·β)"
+        )
+        assert latency_share(0.99 * size) > share, f"{label}: a smaller bucket also qualifies"
+    print("Correct: n = N·α·(1 - f) / (f·β); below it, latency takes more than f of the time.")
+
+
+def check_hierarchical_all_reduce(fn) -> None:
+    """Exercise 3: ``fn(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter)``."""
+    nvlink, ndr = datasheets.beta("NVLink 4 (H100)"), datasheets.beta("InfiniBand NDR")
+    cases = [
+        (10**9, 64, 8, datasheets.ASSUMED_ALPHA, nvlink, ndr),
+        (350 * 10**9, 64, 8, datasheets.ASSUMED_ALPHA, nvlink, ndr),
+        (2**20, 2, 4, 1e-5, 1e-11, 1e-10),
+        (10**9, 1, 8, datasheets.ASSUMED_ALPHA, nvlink, ndr),
+        (10**9, 16, 1, datasheets.ASSUMED_ALPHA, nvlink, ndr),
+    ]
+    for case in cases:
+        got, want = float(fn(*case)), float(hierarchical_all_reduce_time(*case))
+        assert math.isclose(got, want, rel_tol=1e-9), (
+            f"nbytes={case[0]:g}, nodes={case[1]}, gpus_per_node={case[2]}: got {got:.6g} s, "
+            f"expected {want:.6g} s"
+        )
+    print("Correct: a ring all-reduce inside the node plus one ring per rail across nodes.")

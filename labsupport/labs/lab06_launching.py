@@ -1,0 +1,219 @@
+"""Lab 6, launching: what each rank sees, a first send/recv, a failure, and torchrun.
+
+Each function runs on every rank of an initialised process group, under
+:func:`labsupport.launch` or ``torchrun -m labsupport.run`` alike. The environment they
+read is the one torchrun documents:
+https://pytorch.org/docs/stable/elastic/run.html#environment-variables
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from labsupport.comm.measure import measure_p2p
+from labsupport.launch.launcher import launch
+from labsupport.launch.runtime import device
+
+
+def world_info() -> dict:
+    """This rank's view of the world: its ranks, the world's size, where the store is."""
+    return {
+        "rank": dist.get_rank(),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "world_size": dist.get_world_size(),
+        "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
+        "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        "backend": dist.get_backend(),
+        "device": str(device()),
+        "pid": os.getpid(),
+    }
+
+
+def global_rank(node_rank: int, local_rank: int, nproc_per_node: int) -> int:
+    """The global rank torchrun gives a process: ranks fill node 0 first, then node 1."""
+    return node_rank * nproc_per_node + local_rank
+
+
+def ring_pass() -> dict:
+    """Each rank sends its rank to its right neighbour and receives from its left one.
+
+    The send and the receive are posted together, as one ``batch_isend_irecv``, and only
+    then waited for. That is what keeps the ring from deadlocking: with a blocking
+    ``send`` first on every rank, every rank would wait for a receiver. (Gloo would also
+    accept a separate ``isend`` and ``irecv``; NCCL needs the two grouped when, as on 2
+    ranks, the right and left neighbours are the same rank.)
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    outgoing = torch.tensor([float(rank)], device=device())
+    incoming = torch.empty(1, device=device())
+    ops = [dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, incoming, left)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    print(f"sent {rank} to rank {right}, received {int(incoming.item())} from rank {left}")
+    return {"sent_to": right, "received_from": left, "received": int(incoming.item())}
+
+
+def ping_pong(num_bytes: int = 4, rounds: int = 50) -> float | None:
+    """Round-trip time between ranks 0 and 1: rank 0 sends, rank 1 echoes back.
+
+    Returns the median round trip in seconds on rank 0, ``None`` elsewhere. Ranks other
+    than 0 and 1 take no part. (Chapter 5's :func:`labsupport.comm.measure.measure_p2p`
+    does the same over many sizes and reports one-way times.)
+    """
+    results = measure_p2p([num_bytes], rounds=rounds, warmup=1)
+    return 2 * results[0]["seconds"] if results is not None else None
+
+
+def failing_step(bad_rank: int = 2) -> float:
+    """A training step in which one rank fails before the all-reduce the others wait in."""
+    grad = torch.full((4,), float(dist.get_rank()), device=device())
+    if dist.get_rank() == bad_rank:
+        raise RuntimeError(f"simulated failure: rank {bad_rank} ran out of memory")
+    dist.all_reduce(grad)
+    return grad[0].item()
+
+
+def all_reduce_ranks() -> dict:
+    """Sum every rank's rank with one all-reduce; the answer is world·(world-1)/2."""
+    total = torch.tensor([float(dist.get_rank())], device=device())
+    dist.all_reduce(total)
+    return {
+        "rank": dist.get_rank(),
+        "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "sum_of_ranks": int(total.item()),
+    }
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_nodes(
+    target: str, nnodes: int = 2, nproc_per_node: int = 2, timeout: float = 120, args=()
+) -> list[str]:
+    """Run ``target`` (``module:function``) as ``nnodes`` torchrun "nodes" on this machine.
+
+    Each node is its own ``torchrun`` process, meeting the others through c10d rendezvous
+    on 127.0.0.1, exactly as separate machines would meet at the first node's address.
+    With c10d rendezvous torchrun numbers the nodes in the order they join (it ignores
+    ``--node-rank``, which only the static rendezvous uses). Returns the
+    ``[rank N] -> value`` lines the ranks printed, sorted by rank. Raises
+    ``RuntimeError`` with each node's output if a node fails.
+    """
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    commands = [
+        [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            "--rdzv-id=labsupport-nodes", "--max-restarts=0",
+            "-m", "labsupport.run", target, *args,
+        ]
+        for _ in range(nnodes)
+    ]  # fmt: skip
+    with contextlib.ExitStack() as files:  # files, not pipes: no pipe can fill up
+        logs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in commands]
+        nodes = [
+            subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            for cmd, log in zip(commands, logs, strict=True)
+        ]
+        try:
+            timed_out = _wait_for_nodes(nodes, time.monotonic() + timeout)
+        finally:
+            _kill_trees(nodes)
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+    codes = [node.returncode for node in nodes]
+    if timed_out or any(code != 0 for code in codes):
+        what = f"did not finish within {timeout} s" if timed_out else "failed"
+        report = "\n".join(
+            f"--- node {i} (exit code {code}) ---\n{out}"
+            for i, (code, out) in enumerate(zip(codes, outputs, strict=True))
+        )
+        raise RuntimeError(f"a torchrun node {what}:\n{report}")
+    lines = [line for out in outputs for line in out.splitlines() if line.startswith("[rank ")]
+    return sorted(lines, key=lambda line: int(re.match(r"\[rank (\d+)\]", line).group(1)))
+
+
+def _wait_for_nodes(nodes: list[subprocess.Popen], deadline: float) -> bool:
+    """Wait until every node exited, one failed, or the deadline; True if it passed."""
+    while any(node.poll() is None for node in nodes):
+        if any(node.returncode not in (None, 0) for node in nodes):
+            return False  # one node failed: stop the others rather than wait for them
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _kill_trees(nodes: list[subprocess.Popen]) -> None:
+    """Stop each torchrun agent that is still running, and its workers.
+
+    torchrun starts each worker in a session of its own, so killing an agent does not
+    reach them: collect every descendant first, then kill them all.
+    """
+    for node in nodes:
+        if node.poll() is not None:
+            continue
+        try:
+            tree = [psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        node.wait()
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+def check_global_rank(fn) -> None:
+    """Exercise 1: ``fn(node_rank, local_rank, nproc_per_node)`` must give torchrun's rank."""
+    for nproc in (1, 2, 4, 8):
+        for node in range(4):
+            for local in range(nproc):
+                got, want = fn(node, local, nproc), global_rank(node, local, nproc)
+                assert got == want, (
+                    f"node_rank={node}, local_rank={local}, nproc_per_node={nproc}: "
+                    f"got {got}, torchrun gives rank {want}"
+                )
+    print("Correct: ranks fill node 0 first, then node 1, ...")
+
+
+def check_ring_sum(fn, world_sizes=(2, 3, 4)) -> None:
+    """Exercise 2: ``fn()`` on every rank; rank 0 must return the sum of all ranks.
+
+    Runs ``fn`` with :func:`labsupport.launch` at several world sizes (odd ones too).
+    """
+    for world in world_sizes:
+        results = launch(fn, world_size=world, timeout=60)
+        want = world * (world - 1) // 2
+        assert results[0] == want, (
+            f"world_size={world}: rank 0 returned {results[0]!r}, expected {want}"
+        )
+    print(f"Correct for world sizes {', '.join(map(str, world_sizes))}.")

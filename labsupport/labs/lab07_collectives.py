@@ -1,0 +1,148 @@
+"""Lab 7: each collective run on small, labelled data, ours next to torch's.
+
+Rank ``r`` starts with the values ``10 r, 10 r + 1, ...``, so every number says where it
+came from (``23`` is rank 2's fourth value) and a reduced value such as ``60`` is
+visibly a combination. :func:`run_primitive` runs on every rank under
+:func:`labsupport.launch` and returns what the rank held before and after, computed by
+:mod:`labsupport.comm` and by ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from labsupport import comm
+from labsupport.launch.launcher import launch
+from labsupport.launch.runtime import device
+
+PRIMITIVES = (
+    "broadcast",
+    "scatter",
+    "gather",
+    "reduce",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+)
+
+#: Where each primitive appears in training (chapter 7).
+USED_BY = {
+    "broadcast": "initial weights from rank 0 (DDP's constructor)",
+    "scatter": "handing out shards of data from one rank",
+    "gather": "collecting metrics or outputs on one rank",
+    "reduce": "summing a metric onto one rank for logging",
+    "all_reduce": "DDP's gradient averaging; Megatron tensor parallelism",
+    "all_gather": "ZeRO-3 / FSDP gathering sharded parameters",
+    "reduce_scatter": "ZeRO-2/3 / FSDP reducing gradients into shards",
+    "all_to_all": "mixture-of-experts token routing; Ulysses sequence parallelism",
+}
+
+
+def labelled(rank: int, count: int, start: int = 0) -> torch.Tensor:
+    """``[10 rank + start, ..., 10 rank + start + count - 1]`` as float32, on this rank's
+    device."""
+    return torch.arange(start, start + count, dtype=torch.float32, device=device()) + 10 * rank
+
+
+def run_primitive(name: str, numel: int = 2, root: int = 0) -> dict:
+    """Run collective ``name`` with :mod:`labsupport.comm` and with ``torch.distributed``
+    on the same input; return ``before``, ``ours``, ``torch`` (1-D CPU tensors; empty
+    where a rank holds nothing of interest)."""
+    if name not in PRIMITIVES:
+        raise ValueError(f"name must be one of {', '.join(PRIMITIVES)}; got {name!r}")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for impl, module in (("ours", comm), ("torch", dist)):
+        before, after = _run(module, name, rank, world, numel, root)
+        results["before"], results[impl] = before.cpu(), after.cpu()
+    return results
+
+
+def _run(m, name, rank, world, numel, root):
+    def zeros(n):
+        return torch.zeros(n, device=device())
+
+    empty = zeros(0)
+    x = labelled(rank, numel)
+    if name == "broadcast":
+        before = x.clone()
+        m.broadcast(x, src=root)
+        return before, x
+    if name == "scatter":
+        pieces = [labelled(root, numel, start=i * numel) for i in range(world)]
+        out = zeros(numel)
+        m.scatter(out, pieces if rank == root else None, src=root)
+        return (torch.cat(pieces) if rank == root else empty), out
+    if name == "gather":
+        bucket = [zeros(numel) for _ in range(world)] if rank == root else None
+        m.gather(x, bucket, dst=root)
+        return x, (torch.cat(bucket) if rank == root else empty)
+    if name == "reduce":
+        before = x.clone()
+        m.reduce(x, dst=root)
+        return before, (x if rank == root else empty)
+    if name == "all_reduce":
+        before = x.clone()
+        m.all_reduce(x)
+        return before, x
+    if name == "all_gather":
+        bucket = [zeros(numel) for _ in range(world)]
+        m.all_gather(bucket, x)
+        return x, torch.cat(bucket)
+    if name == "reduce_scatter":
+        inputs = labelled(rank, numel * world)
+        out = zeros(numel)
+        m.reduce_scatter(out, list(inputs.split(numel)))
+        return inputs, out
+    inputs = labelled(rank, world)  # all_to_all: one value for each destination
+    outputs = [zeros(1) for _ in range(world)]
+    m.all_to_all(outputs, list(inputs.split(1)))
+    return inputs, torch.cat(outputs)
+
+
+def agreement(results: list[dict], name: str) -> str:
+    """One line saying whether ours matched torch's on every rank (raises if not)."""
+    for rank, result in enumerate(results):
+        ours, theirs = result["ours"].tolist(), result["torch"].tolist()
+        assert ours == theirs, f"{name}, rank {rank}: ours {ours} != torch's {theirs}"
+    return f"labsupport.comm.{name} == torch.distributed.{name} on all {len(results)} ranks"
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+def check_ring_all_gather(fn, world_sizes=(2, 3, 4)) -> None:
+    """Exercise 1: ``fn(tensor_list, tensor)`` must behave as ``dist.all_gather``."""
+
+    def trial():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = labelled(rank, 3)
+        ours = [torch.zeros(3, device=device()) for _ in range(world)]
+        theirs = [torch.zeros(3, device=device()) for _ in range(world)]
+        fn(ours, mine)
+        dist.all_gather(theirs, mine)
+        return [t.tolist() for t in ours], [t.tolist() for t in theirs]
+
+    for world in world_sizes:
+        for rank, (ours, theirs) in enumerate(launch(trial, world, timeout=60)):
+            assert ours == theirs, f"world_size={world}, rank {rank}: got {ours}, expected {theirs}"
+    print(f"Correct for world sizes {', '.join(map(str, world_sizes))}.")
+
+
+def check_all_reduce_from_rs_ag(fn, world_sizes=(2, 3, 4)) -> None:
+    """Exercise 2: ``fn(tensor)`` must all-reduce (SUM) in place, like ``dist.all_reduce``."""
+
+    def trial():
+        rank = dist.get_rank()
+        ours = labelled(rank, 7)  # 7 does not divide by every world size
+        theirs = ours.clone()
+        fn(ours)
+        dist.all_reduce(theirs)
+        return ours.tolist(), theirs.tolist()
+
+    for world in world_sizes:
+        for rank, (ours, theirs) in enumerate(launch(trial, world, timeout=60)):
+            assert ours == theirs, f"world_size={world}, rank {rank}: got {ours}, expected {theirs}"
+    print(f"Correct for world sizes {', '.join(map(str, world_sizes))}.")

@@ -1,0 +1,35 @@
+"""The models the labs train, built locally (no downloads), and data made in code.
+
+* :mod:`~labsupport.models.gpt`: the course's one GPT (nanoGPT's GPT-2);
+* :mod:`~labsupport.models.mlp`: an MLP, and the residual MLP stack of chapter 4;
+* :mod:`~labsupport.models.cnn`: a LeNet-style CNN;
+* :mod:`~labsupport.models.data`: random tokens and regression data from a seed.
+"""
+
+from labsupport.models.cnn import SmallCNN
+from labsupport.models.data import random_tokens, regression_data
+from labsupport.models.gpt import (
+    GPT,
+    GPT2_LARGE,
+    GPT2_MEDIUM,
+    GPT2_SMALL,
+    GPT2_XL,
+    GPTConfig,
+    tiny_gpt,
+)
+from labsupport.models.mlp import MLP, MLPStack
+
+__all__ = [
+    "GPT",
+    "GPT2_LARGE",
+    "GPT2_MEDIUM",
+    "GPT2_SMALL",
+    "GPT2_XL",
+    "MLP",
+    "GPTConfig",
+    "MLPStack",
+    "SmallCNN",
+    "random_tokens",
+    "regression_data",
+    "tiny_gpt",
+]

@@ -1,0 +1,93 @@
+"""The chapters' figures, drawn from code: ``python -m tools.figures chapters/figures``.
+
+Each function returns a matplotlib figure; :func:`main` saves them all as PNG with no
+timestamp in the file, so that regenerating a figure changes nothing unless its code
+did (a test checks that the committed files match).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+from labsupport import launch
+from labsupport.labs import lab04_one_device, lab07_collectives
+from labsupport.labs.lab06_launching import global_rank
+from labsupport.models import MLPStack
+from labsupport.viz import clusters, collectives, dtypes, one_device, ranks, roofline, walls
+from labsupport.viz.style import subplots
+
+
+def ranks_on_two_nodes():
+    """Chapter 6: 2 nodes x 4 GPUs; global rank = node_rank x 4 + local_rank."""
+    infos = [
+        {"rank": global_rank(node, local, 4), "local_rank": local, "node_rank": node}
+        for node in range(2)
+        for local in range(4)
+    ]
+    ax = ranks.draw_ranks(infos, title="world_size = 8: two nodes, four processes each")
+    return ax.figure
+
+
+def checkpoint_memory(layers: int = 16, batch: int = 512, d: int = 64):
+    """Chapter 4: an MLP stack's activation memory measured for segments of 1 to 16
+    blocks (and none), next to the formulas."""
+    stack, x = MLPStack(layers, d), torch.randn(batch, d)
+    measured = {s: lab04_one_device.step_memory(stack, x, s) for s in (None, 1, 2, 4, 8, 16)}
+    return one_device.draw_checkpoint_memory(measured, layers, batch, d)
+
+
+# --------------------------------------------------------------------------- chapters 7, 8
+
+
+def collectives_before_after():
+    """Chapter 7: the eight primitives on 4 ranks, run for real by labsupport.comm
+    (and checked against torch.distributed) through labsupport.launch."""
+    fig, axes = subplots(4, 2, 15, 11)
+    for ax, name in zip(axes.T.flat, lab07_collectives.PRIMITIVES, strict=True):
+        results = launch(lab07_collectives.run_primitive, 4, args=(name,), timeout=120)
+        lab07_collectives.agreement(results, name)
+        collectives.draw_collective(results, name, ax=ax, width=8)
+    return fig
+
+
+def ring_all_reduce_steps():
+    """Chapter 8: the ring all-reduce on 4 ranks, from the schedule the code runs."""
+    return collectives.draw_ring_allreduce(4)
+
+
+FIGURES = {
+    "06-ranks.png": ranks_on_two_nodes,
+    "05-alpha-beta.png": clusters.alpha_beta_regimes,
+    "05-rails.png": clusters.rail_topology,
+    "07-collectives.png": collectives_before_after,
+    "08-ring.png": ring_all_reduce_steps,
+    "03-memory.png": walls.memory_breakdown_figure,
+    "03-time-to-train.png": walls.time_to_train_figure,
+    "02-dtypes.png": dtypes.dtype_layouts,
+    "02-range.png": dtypes.range_and_precision,
+    "04-mixed-precision.png": one_device.mixed_precision_loop_figure,
+    "04-checkpointing.png": checkpoint_memory,
+    "01-roofline.png": roofline.datasheet_rooflines,
+    "01-hierarchy.png": roofline.memory_hierarchy,
+}
+
+
+def save(fig, path: Path) -> None:
+    fig.savefig(path, metadata={"Software": None}, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(outdir: str) -> None:
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, make in FIGURES.items():
+        save(make(), out / name)
+        print(f"wrote {out / name}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "chapters/figures")
