@@ -33,8 +33,8 @@ book: $(STAMP) $(MATHJAX)
 	$(VENV)/bin/jupyter-book build . --warningiserror --nitpick --keep-going
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check labsupport tests bench labs
-	$(VENV)/bin/ruff format --check labsupport tests bench labs
+	$(VENV)/bin/ruff check labsupport tests bench tools labs
+	$(VENV)/bin/ruff format --check labsupport tests bench tools
 
 unit: $(STAMP)
 	$(PY) -m pytest tests --ignore=tests/browser -q
@@ -51,10 +51,10 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab labs
 
 execute: $(STAMP)
-	$(PY) -m labsupport.execute $(LABS)
+	$(PY) -m tools.execute $(LABS)
 
 figures: $(STAMP)
-	$(PY) -m labsupport.figures chapters/figures
+	$(PY) -m tools.figures chapters/figures
 
 bench: $(STAMP)
 	$(PY) -m bench.launch

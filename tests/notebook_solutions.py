@@ -1,0 +1,47 @@
+"""The worked solutions of the labs' exercises, read from the notebooks themselves.
+
+A lab shows each worked solution in a markdown cell, collapsed in a ``<details>``
+block, so that Run All does not execute it. The unit tests run each checker against
+that very code: a solution in the notebook that a checker rejects fails the tests.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+
+LABS = Path(__file__).resolve().parents[1] / "labs"
+_CODE = re.compile(r"```python\n(.*?)```", re.DOTALL)
+
+
+def solution_sources(lab: str) -> list[str]:
+    """The Python code blocks inside ``<details>`` of the lab's markdown cells."""
+    nb = nbformat.read(LABS / lab, as_version=4)
+    found = []
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and "<details>" in cell.source:
+            found.extend(_CODE.findall(cell.source))
+    return found
+
+
+def solution(lab: str, name: str):
+    """The function ``name`` that the lab's worked solutions define (they carry their
+    own imports)."""
+    for source in solution_sources(lab):
+        namespace: dict = {}
+        if re.search(rf"^def {re.escape(name)}\(", source, re.MULTILINE):
+            exec(compile(source, f"<{lab} solution of {name}>", "exec"), namespace)
+            return namespace[name]
+    raise LookupError(f"{lab} has no worked solution defining {name}()")
+
+
+def stub(name: str):
+    """The stub a lab gives the learner: a function whose body raises NotImplementedError."""
+
+    def fn(*args, **kwargs):
+        raise NotImplementedError
+
+    fn.__name__ = name
+    return fn
