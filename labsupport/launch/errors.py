@@ -193,6 +193,16 @@ def raise_failure(failures: dict[int, RankFailure], timeout: float):
         )
         raise LaunchTimeout("\n".join(parts), failures, None)
     root = min(failures.values(), key=lambda f: (f.knock_on, f.time))
+    if root.knock_on:  # every failure only says a peer went away: none is to blame
+        parts = [
+            "the ranks lost contact with each other, and no rank failed on its own "
+            f"(first seen on rank {root.rank}: {shorten(root.summary)})",
+            "Run the launch again: on an overloaded machine a connection can fail while "
+            "the ranks set up their process group. If it fails again, look for a rank "
+            "killed by the system (out of memory), and set "
+            "env={'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'} for details.",
+        ]
+        raise LaunchError("\n".join(parts), failures, None)
     parts = [f"rank {root.rank} failed (root cause): {root.summary}"]
     if root.traceback:
         parts.append(root.traceback.rstrip())

@@ -47,6 +47,15 @@ FAILURE_GRACE_S = 1.0
 STACK_DUMP_S = 0.5
 
 _launch_ids = itertools.count(1)
+_started = False  # whether this process has started the forkserver yet
+
+
+class LaunchInterrupted(KeyboardInterrupt):
+    """The launch was interrupted (Ctrl-C, or Kernel > Interrupt); every rank was stopped."""
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: one line, not the launcher's frames."""
+        return [f"\x1b[31mKeyboardInterrupt\x1b[39m: {self}"]
 
 
 def _context():
@@ -58,8 +67,10 @@ def _context():
 
 def warm_up() -> None:
     """Start the forkserver now, so that the first launch is as quick as the next."""
+    global _started
     _context()
     multiprocessing.forkserver.ensure_running()
+    _started = True
 
 
 def _pickle_job(fn, args, kwargs) -> bytes:
@@ -95,6 +106,7 @@ def rank_environment(rank: int, world_size: int, port: int, run_id: str, extra) 
         TORCHELASTIC_MAX_RESTARTS="0",
         TORCHELASTIC_USE_AGENT_STORE="True",
         OMP_NUM_THREADS=str(_threads_per_rank(world_size)),
+        LABSUPPORT_LIVE="1",  # progress reports go to the launcher's live view
     )
     return env
 
@@ -151,13 +163,14 @@ def launch(
         raise LaunchError(str(exc)) from None
     payload = _pickle_job(fn, args, kwargs or {})
     ctx = _context()
+    global _started
 
     from torch.distributed import TCPStore  # the kernel hosts the rendezvous store
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     run_id = f"labsupport-{os.getpid()}-{next(_launch_ids)}"
     files = code_files(fn)
-    view = LiveView()
+    view = LiveView(world_size, first=not _started)
     ranks: list[RankProcess] = []
     try:
         for rank in range(world_size):
@@ -169,10 +182,18 @@ def launch(
                 "num_threads": _threads_per_rank(world_size),
             }
             ranks.append(_start_rank(ctx, rank, job))
+            _started = True
         _supervise(ranks, time.monotonic() + timeout, view)
         for r in ranks:
             if r.failure is not None:
                 r.failure.traceback = restore_sources(r.failure.traceback, files)
+    except KeyboardInterrupt:
+        for r in ranks:
+            r.kill()
+        stopped = (
+            f"all {world_size} ranks were stopped" if world_size > 1 else "the rank was stopped"
+        )
+        raise LaunchInterrupted(f"launch interrupted; {stopped}.") from None
     finally:
         for r in ranks:
             r.kill()

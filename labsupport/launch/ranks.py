@@ -9,7 +9,6 @@ notebook's stored output does not depend on timing.
 from __future__ import annotations
 
 import contextlib
-import html
 import multiprocessing.connection
 import os
 import pickle
@@ -17,6 +16,7 @@ import signal
 import sys
 import time
 
+from labsupport.launch import progress
 from labsupport.launch.errors import RankFailure, main_hint
 
 #: How long the output pipes of an exited rank may stay open before they are closed.
@@ -33,6 +33,7 @@ class RankProcess:
         self.streams = {out_conn: "stdout", err_conn: "stderr"}
         self.partial = {"stdout": b"", "stderr": b""}
         self.lines = {"stdout": [], "stderr": []}
+        self.progress = None  # (done, total, desc): the last progress report
         self.message = None  # ("ok", bytes) or ("error", dict)
         self.failure: RankFailure | None = None
         self.exited = False
@@ -84,8 +85,16 @@ class RankProcess:
                 chunk, rest = b"", chunk
         self.partial[name] = rest
         lines = chunk.decode("utf-8", "backslashreplace").splitlines()
-        self.lines[name].extend(lines)
-        return [(name, line) for line in lines]
+        shown = []
+        for line in lines:
+            report = progress.parse(line)
+            if report is None:
+                self.lines[name].append(line)
+                shown.append((name, line))
+            else:
+                self.progress = report
+                shown.append(("progress", line))
+        return shown
 
     def read_result(self) -> None:
         # EOF: it died before reporting, and its exit code will tell why.
@@ -144,53 +153,73 @@ class LiveView:
     """Rank output, live while the launch runs and rank-ordered when it ends.
 
     In a terminal, each line is printed as it arrives, prefixed with its rank. In a
-    Jupyter kernel, the lines appear live in a display area (created when the first
-    line arrives); when the launch ends that area is emptied and the output is printed
-    again grouped by rank, so the record that stays in the notebook is the same on
-    every run (nbval compares it).
+    Jupyter kernel, a display area says what is happening ("starting 4 ranks") and then
+    shows each rank's progress bar (:mod:`labsupport.launch.progress`) and the lines
+    as they arrive, in plain text like the cell's own output. When the launch ends that
+    area is emptied and the output is printed again, grouped by rank under one line
+    that says so: the record that stays in the notebook is the same on every run
+    (nbval compares it).
     """
 
     REFRESH_S = 0.25
 
-    def __init__(self):
+    def __init__(self, world_size: int, first: bool = False):
         self.jupyter = in_jupyter()
+        self.world_size = world_size
         self.handle = None
         self.buffer: list[str] = []
-        self.shown = 0
+        self.bars: dict[int, str] = {}
+        self.stale = False
         self.last = 0.0
-
-    @staticmethod
-    def _bundle(lines: list[str]) -> dict:
-        text = "\n".join(lines)
-        return {"text/plain": text, "text/html": f"<pre>{html.escape(text)}</pre>" if text else ""}
-
-    def line(self, rank: int, stream: str, text: str) -> None:
-        shown = f"[rank {rank}] {text}"
-        if not self.jupyter:
-            print(shown, file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
-            return
-        if self.handle is None:
+        if self.jupyter:
             from IPython.display import display
 
-            self.handle = display(self._bundle([]), raw=True, display_id=True)
-        self.buffer.append(shown)
+            status = f"starting {world_size} rank{'s' if world_size > 1 else ''} ..."
+            if first:
+                status += " (the first launch in this kernel imports torch once: a few seconds)"
+            self.handle = display({"text/plain": status}, raw=True, display_id=True)
+
+    def line(self, rank: int, stream: str, text: str) -> None:
+        if stream == "progress":
+            done, total, desc = progress.parse(text)
+            self.bars[rank] = progress.bar(done, total, desc)
+            if not self.jupyter and done == total:
+                print(f"[rank {rank}] {self.bars[rank]}", flush=True)
+        else:
+            shown = f"[rank {rank}] {text}"
+            if not self.jupyter:
+                print(shown, file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
+                return
+            self.buffer.append(shown)
+        self.stale = True
         self.poll()
 
     def poll(self) -> None:
-        """Show new lines, at most every ``REFRESH_S`` seconds."""
-        stale = self.handle is not None and len(self.buffer) > self.shown
-        if stale and time.monotonic() - self.last > self.REFRESH_S:
-            self.handle.update(self._bundle(self.buffer[-200:]), raw=True)
-            self.last, self.shown = time.monotonic(), len(self.buffer)
+        """Redraw the live area, at most every ``REFRESH_S`` seconds."""
+        if self.handle is None or time.monotonic() - self.last < self.REFRESH_S:
+            return
+        if not self.stale:
+            return
+        running = f"{self.world_size} rank{'s' if self.world_size > 1 else ''} running"
+        lines = [
+            running,
+            *(f"[rank {rank}] {self.bars[rank]}" for rank in sorted(self.bars)),
+            *self.buffer[-200:],
+        ]
+        self.handle.update({"text/plain": "\n".join(lines)}, raw=True)
+        self.last, self.stale = time.monotonic(), False
 
     def finish(self, ranks: list[RankProcess]) -> None:
         if self.handle is None:
             return
-        self.handle.update(self._bundle([]), raw=True)
-        for stream, file in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-            text = "".join(f"[rank {r.rank}] {line}\n" for r in ranks for line in r.lines[stream])
-            if text:
-                file.write(text)
+        self.handle.update({"text/plain": ""}, raw=True)
+        out = [f"[rank {r.rank}] {line}\n" for r in ranks for line in r.lines["stdout"]]
+        err = [f"[rank {r.rank}] {line}\n" for r in ranks for line in r.lines["stderr"]]
+        if out or err:
+            sys.stdout.write(f"(output of the {len(ranks)} ranks, in rank order)\n")
+        for lines, file in ((out, sys.stdout), (err, sys.stderr)):
+            if lines:
+                file.write("".join(lines))
                 file.flush()
 
 

@@ -108,6 +108,12 @@ def init_process_group(backend: str = "auto", timeout: float = 300.0) -> str:
     whose peers never arrive fails after it rather than waiting forever.
     """
     backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    # Every rank waits, at the end of setup, until all have connected (a barrier on the
+    # rendezvous store). Without it a fast rank can finish, tear its group down and exit
+    # while a slow one is still connecting to it, which then fails with "Connection
+    # closed by peer". PyTorch made this barrier optional in 2023, as it costs time on
+    # thousands of ranks (see _is_barrier_after_init in distributed_c10d.py).
+    os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
     kwargs = {}
     if uses_nccl(backend):
         torch.cuda.set_device(_gpu_index())
