@@ -84,16 +84,21 @@ class RankProcess:
             else:
                 chunk, rest = b"", chunk
         self.partial[name] = rest
-        lines = chunk.decode("utf-8", "backslashreplace").splitlines()
+        # Split on newlines only: str.splitlines also splits on \x1c-\x1e, and the
+        # progress reports start with \x1e.
+        text = chunk.decode("utf-8", "backslashreplace")
+        lines = [line.removesuffix("\r") for line in text.split("\n")[:-1]] if text else []
         shown = []
         for line in lines:
             report = progress.parse(line)
             if report is None:
                 self.lines[name].append(line)
                 shown.append((name, line))
-            else:
+            else:  # live only; the finished bar goes into the record (the same every run)
                 self.progress = report
                 shown.append(("progress", line))
+                if report[0] == report[1]:
+                    self.lines[name].append(progress.bar(*report))
         return shown
 
     def read_result(self) -> None:
