@@ -1,7 +1,8 @@
 # Distributed Training, Hands-On: build the course, run its tests.
 #   make book     build the website into _build/html (creates .venv on first use)
-#   make test     the whole suite: lint, unit tests, strict nbval on every lab,
-#                 the strict book build, the website in headless Chromium
+#   make test     the whole suite: lint, unit tests, strict nbval on every lab (also
+#                 under other CPU capabilities, threads and load), the strict book
+#                 build, the website and the labs in JupyterLab, in headless Chromium
 #   make lab      JupyterLab on the labs
 #   make execute  re-execute the labs in place, storing their outputs
 #   make figures  regenerate the chapters' figures from labsupport
@@ -14,7 +15,7 @@ STAMP := $(VENV)/.installed
 LABS := $(wildcard labs/*.ipynb)
 MATHJAX := _build/_vendor/mathjax
 
-.PHONY: book test lint unit nbval browser lab execute figures bench lock clean
+.PHONY: book test lint unit nbval nbval-portable browser lab execute figures bench stress lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "the course needs Python 3.11: run make PYTHON=python3.11")'
@@ -39,16 +40,31 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest tests --ignore=tests/browser -q
 
-nbval: $(STAMP)
-	cd labs && ../$(PY) -m pytest --nbval $(notdir $(LABS)) --nbval-sanitize-with ../tests/nbval_sanitize.cfg -p no:cacheprovider -q
+# $(call nbval_run,PREFIX): nbval on every lab, the command prefixed (environment, load).
+nbval_run = cd labs && $(1) ../$(PY) -m pytest --nbval $(notdir $(LABS)) \
+	--nbval-sanitize-with ../tests/nbval_sanitize.cfg -p no:cacheprovider -q
 
-browser: $(STAMP)
+nbval: $(STAMP)
+	$(call nbval_run,)
+
+# The stored outputs must hold on learners' machines too: re-run every lab with the
+# vector kernels of a CPU without AVX2 (and one without AVX-512), one and four threads
+# per rank, and two busy processes beside it.
+nbval-portable: $(STAMP)
+	$(call nbval_run,ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
+		LABSUPPORT_THREADS=1)
+	$(call nbval_run,ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+		LABSUPPORT_THREADS=4 ../$(PY) ../tools/busy.py 2 --)
+
+browser: book
 	$(PY) -m pytest tests/browser -q
 
-test: lint unit nbval book browser
+test: lint unit nbval nbval-portable book browser
 
+# JupyterLab on the repository, opening the labs: a lab's links to its chapter work.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab labs
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/labs \
+		$$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 execute: $(STAMP)
 	$(PY) -m tools.execute $(LABS)
@@ -59,6 +75,10 @@ figures: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.launch
 	$(PY) -m bench.allreduce
+
+# 1,000 launches of a function that does nothing, two busy processes beside them.
+stress: $(STAMP)
+	$(PY) -m tools.busy 2 -- $(PY) -m bench.stress 1000
 
 lock:
 	rm -rf _build/lock-venv && $(PYTHON) -m venv _build/lock-venv
