@@ -9,6 +9,10 @@
 #   make bench    benchmarks, printed as tables with ratios
 
 PYTHON ?= python3
+# Where torch comes from. Empty: PyPI (a CUDA build on Linux, several GB). On a machine
+# without GPUs, TORCH_INDEX=https://download.pytorch.org/whl/cpu gets the CPU build of
+# the same version (about 200 MB); the lock pins everything else either way.
+TORCH_INDEX ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -21,6 +25,7 @@ $(STAMP): requirements.lock pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "the course needs Python 3.11: run make PYTHON=python3.11")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==25.3
+	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) torch==2.13.0)
 	$(PY) -m pip install --quiet -r requirements.lock
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
