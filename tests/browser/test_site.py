@@ -31,9 +31,6 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 
-pytestmark = [
-    pytest.mark.skipif(not (SITE / "index.html").exists(), reason="run `make book` first"),
-]
 
 
 def toc_pages() -> list[str]:
@@ -56,6 +53,8 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def site_url():
+    if not (SITE / "index.html").exists():
+        pytest.fail("no website in _build/html: run `make book` first (`make browser` does)")
     handler = functools.partial(QuietHandler, directory=str(SITE))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
