@@ -1,0 +1,293 @@
+"""The labs in a real JupyterLab, driven in headless Chromium as a learner would.
+
+The test starts a JupyterLab server on a copy of the labs (nothing is written into the
+repository), on a free port, and drives it with Playwright through JupyterLab's own
+commands: Run All, Interrupt, Restart. It checks what a learner sees: a lab runs to the
+end, rank output appears while the ranks run, a failing rank shows the short
+``LaunchError``, a widget answers its slider, an interrupt stops every rank, a restart
+leaves no process behind. Processes are found with psutil below the server's own.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+ROOT = Path(__file__).resolve().parents[2]
+LABS = ROOT / "labs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A JupyterLab server on a copy of the labs; yields (base url, token, process)."""
+    labs_before = _snapshot(LABS)
+    home = tmp_path_factory.mktemp("jupyterlab")
+    work = home / "labs"
+    shutil.copytree(LABS, work, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    port, token = free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), HOME=str(home))
+    env.pop("LABSUPPORT_THREADS", None)
+    command = [
+        sys.executable, "-m", "jupyterlab", "--no-browser",
+        f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}",
+        "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: JupyterLab's commands
+        "--LabApp.news_url=None", "--LabApp.check_for_updates_class="
+        "jupyterlab.NeverCheckForUpdate",
+    ]  # fmt: skip
+    if os.geteuid() == 0:
+        command.append("--allow-root")
+    log = open(home / "server.log", "w")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2):
+                break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                log.close()
+                pytest.fail(f"JupyterLab did not start:\n{(home / 'server.log').read_text()}")
+            time.sleep(0.5)
+    yield {"url": url, "token": token, "process": process, "work": work, "labs_before": labs_before}
+    for child in psutil.Process(process.pid).children(recursive=True):
+        child.kill()
+    process.kill()
+    process.wait()
+    log.close()
+
+
+def open_notebook(browser, server, name: str):
+    """A page with notebook ``name`` open, its kernel idle."""
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(f"{server['url']}/lab/tree/{name}?token={server['token']}")
+    page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget")
+    page.wait_for_function(
+        "() => { const w = window.jupyterapp.shell.currentWidget;"
+        " return w && w.sessionContext && w.sessionContext.session"
+        " && w.sessionContext.session.kernel"
+        " && w.sessionContext.session.kernel.status === 'idle'; }",
+        timeout=120_000,
+    )
+    return page
+
+
+def command(page, name: str, args: dict | None = None) -> None:
+    """Start JupyterLab command ``name`` (as its menu entry does); do not wait for it."""
+    page.evaluate(
+        "([n, a]) => { window.jupyterapp.commands.execute(n, a); }", [name, args or {}]
+    )
+
+
+def kernel_status(page) -> str:
+    return page.evaluate(
+        "() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status"
+    )
+
+
+def wait_idle(page, timeout: float) -> None:
+    """Wait until the kernel has been busy and is idle again with nothing queued."""
+    page.wait_for_function(
+        "() => { const w = window.jupyterapp.shell.currentWidget;"
+        " const k = w.sessionContext.session.kernel;"
+        " const cells = w.content.widgets;"
+        " return k.status === 'idle' && cells.every(c => c.model.type !== 'code'"
+        " || !c.promptNode || !c.promptNode.textContent.includes('*')); }",
+        timeout=timeout * 1000,
+    )
+
+
+def saved_cells(page, server, name: str) -> list:
+    """Save the notebook and read its cells back from disk, with their outputs."""
+    command(page, "docmanager:save")
+    page.wait_for_function(
+        "() => !window.jupyterapp.shell.currentWidget.context.model.dirty", timeout=30_000
+    )
+    return nbformat.read(server["work"] / name, as_version=4).cells
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def launcher_processes(server) -> tuple[list, list]:
+    """The kernels' children (forkservers, resource trackers) and everything below them
+    (ranks, and what ranks started), alive, below the server."""
+    helpers, ranks = [], []
+    for proc in psutil.Process(server["process"].pid).children(recursive=True):
+        try:
+            if "ipykernel" not in " ".join(proc.cmdline()):
+                continue
+            for child in proc.children():
+                helpers.append(child)
+                ranks.extend(child.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    return [p for p in helpers if _alive(p)], [p for p in ranks if _alive(p)]
+
+
+def scratch(server, name: str, sources: list[str]) -> None:
+    nb = new_notebook(cells=[new_code_cell(s) for s in sources])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    nbformat.write(nb, server["work"] / name)
+
+
+def output_text(page, index: int) -> str:
+    return page.evaluate(
+        "(i) => window.jupyterapp.shell.currentWidget.content.widgets[i].node.innerText", index
+    )
+
+
+def test_rank_output_is_live_then_rank_ordered_and_an_interrupt_stops_every_rank(browser, server):
+    scratch(
+        server,
+        "scratch.ipynb",
+        [
+            "import time\nfrom labsupport import launch\nfrom labsupport.launch.progress import "
+            "progress\n\ndef tick():\n    import torch.distributed as dist\n"
+            "    for step in progress(range(30), 'work'):\n        time.sleep(0.2)\n"
+            "        if step % 10 == 0:\n            print('tick', step, flush=True)\n"
+            "    return dist.get_rank()\n\nlaunch(tick, 3)",
+            "def stuck():\n    time.sleep(600)\n\nlaunch(stuck, 3)",
+            "launch(lambda: 'again', 2)",
+        ],
+    )
+    page = open_notebook(browser, server, "scratch.ipynb")
+    command(page, "notebook:run-all-cells")
+    # live: rank lines and progress bars while the first cell still runs
+    page.wait_for_function(
+        "() => { const t = window.jupyterapp.shell.currentWidget.content.widgets[0]"
+        ".node.innerText; return t.includes('[rank 2] tick 0') && t.includes('work |'); }",
+        timeout=90_000,
+    )
+    assert "[0, 1, 2]" not in output_text(page, 0), "the cell had already finished"
+    page.wait_for_function(
+        "() => window.jupyterapp.shell.currentWidget.content.widgets[0]"
+        ".node.innerText.includes('[0, 1, 2]')",
+        timeout=90_000,
+    )
+    record = output_text(page, 0)
+    assert "(output of the 3 ranks, in rank order)" in record
+    assert record.index("[rank 0] tick 20") < record.index("[rank 1] tick 0")
+    # the second cell hangs in its ranks: wait for them, interrupt, count the survivors
+    deadline = time.monotonic() + 60
+    while len(launcher_processes(server)[1]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ranks = launcher_processes(server)[1]
+    assert len(ranks) == 3, f"expected 3 ranks running, found {ranks}"
+    command(page, "notebook:interrupt-kernel")
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in ranks if _alive(p)], "ranks still running 5 s after the interrupt"
+    page.wait_for_function(
+        "() => window.jupyterapp.shell.currentWidget.content.widgets[1]"
+        ".node.innerText.includes('all 3 ranks were stopped')",
+        timeout=30_000,
+    )
+    interrupted = output_text(page, 1)
+    assert "KeyboardInterrupt" in interrupted
+    assert "selectors.py" not in interrupted and "launcher.py" not in interrupted
+    # the next launch works
+    page.evaluate(
+        "() => { const w = window.jupyterapp.shell.currentWidget; w.content.activeCellIndex = 2; }"
+    )
+    command(page, "notebook:run-cell")
+    page.wait_for_function(
+        "() => window.jupyterapp.shell.currentWidget.content.widgets[2]"
+        ".node.innerText.includes(\"['again', 'again']\")",
+        timeout=60_000,
+    )
+    # a restart leaves no forkserver and no rank behind
+    command(page, "kernelmenu:restart")
+    page.locator(".jp-Dialog-button.jp-mod-accept").click()
+    deadline = time.monotonic() + 10
+    while any(launcher_processes(server)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert launcher_processes(server) == ([], []), "a restart left a forkserver or rank behind"
+    page.close()
+
+
+def run_all(browser, server, name: str, timeout: float = 300):
+    page = open_notebook(browser, server, name)
+    command(page, "notebook:run-all-cells")
+    wait_idle(page, timeout)
+    return page
+
+
+def errors(cells) -> list[tuple[int, str]]:
+    return [
+        (i, out.get("ename", ""))
+        for i, cell in enumerate(cells)
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.output_type == "error"
+    ]
+
+
+def test_lab_6_runs_to_the_end_and_shows_the_short_launch_error(browser, server):
+    page = run_all(browser, server, "06-launching.ipynb")
+    cells = saved_cells(page, server, "06-launching.ipynb")
+    code = [c for c in cells if c.cell_type == "code"]
+    assert all(c.execution_count for c in code), "Run All stopped before the end"
+    expected = {i for i, c in enumerate(cells) if "raises-exception" in c.metadata.get("tags", [])}
+    found = errors(cells)
+    assert {i for i, _ in found} == expected, found
+    for i in expected:
+        error = next(o for o in cells[i].outputs if o.output_type == "error")
+        text = "\n".join(error.traceback)
+        assert error.ename == "LaunchError" and "root cause" in text
+        assert len(text.splitlines()) < 40, "the LaunchError should be short"
+    page.close()
+
+
+def test_lab_3_widget_answers_its_slider(browser, server):
+    page = run_all(browser, server, "03-walls.ipynb")
+    cells = saved_cells(page, server, "03-walls.ipynb")
+    assert errors(cells) == []
+    report = page.locator(".widget-html-content pre").first
+    report.wait_for(timeout=30_000)
+    before = report.inner_text()
+    slider = page.locator(".widget-slider .ui-slider-handle, .widget-slider .noUi-handle").nth(2)
+    slider.focus()
+    for _ in range(5):
+        slider.press("ArrowLeft")
+    page.wait_for_function(
+        "(old) => { const e = document.querySelector('.widget-html-content pre');"
+        " return e && e.innerText !== old; }",
+        arg=before,
+        timeout=30_000,
+    )
+    assert report.inner_text() != before
+    page.close()
+
+
+def test_nothing_was_written_into_the_repository(server):
+    assert not (LABS / "scratch.ipynb").exists()
+    assert server["labs_before"] == _snapshot(LABS), "the test changed files in labs/"
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
