@@ -53,7 +53,7 @@ class Group:
 # --------------------------------------------------------------------------- traffic
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: two counters that saw the same are still two
 class Traffic:
     """What this rank sent while counting: bytes and one ``(dst, bytes)`` per message.
 

@@ -148,8 +148,10 @@ def check_min_tokens(fn) -> None:
         )
         label = f"d_in={d_in}, d_out={d_out}, ridge={ridge_point(peak, bw):.1f}"
         if want is None:
-            assert got is None, f"{label}: no batch reaches the ridge (the weights alone "
-            "bound the intensity below it); return None"
+            assert got is None, (
+                f"{label}: no batch reaches the ridge (the weights alone "
+                "bound the intensity below it); return None"
+            )
             continue
         assert got is not None and int(got) == got, f"{label}: expected a whole number of tokens"
         got = int(got)
