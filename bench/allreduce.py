@@ -1,4 +1,4 @@
-"""Ring all-reduce (labsupport.collectives) vs torch.distributed.all_reduce on gloo.
+"""Ring all-reduce (labsupport.comm.all_reduce) vs torch.distributed.all_reduce on gloo.
 
 4 ranks, 16 MiB of float32, measured side by side in one run: the two alternate,
 repetition after repetition, inside the same launch, so that both see the same machine
@@ -20,11 +20,11 @@ WORLD, NBYTES, REPEATS = 4, 16 * 2**20, 15
 
 def alternate(nbytes: int, repeats: int) -> dict | None:
     """Time ring and built-in all-reduce alternately; rank 0 returns both lists."""
-    from labsupport import collectives
+    from labsupport import comm
 
     tensor = torch.ones(nbytes // 4)
     runs = {
-        "ring": lambda: collectives.all_reduce(tensor),
+        "ring": lambda: comm.all_reduce(tensor),
         "torch": lambda: dist.all_reduce(tensor),
     }
     times = {name: [] for name in runs}
@@ -41,7 +41,8 @@ def alternate(nbytes: int, repeats: int) -> dict | None:
 
 
 def main() -> int:
-    from labsupport import comm, launch
+    from labsupport import launch
+    from labsupport.comm.cost import bus_bandwidth
 
     times = launch(alternate, WORLD, args=(NBYTES, REPEATS), timeout=600)[0]
     medians = {name: statistics.median(ts) for name, ts in times.items()}
@@ -49,7 +50,7 @@ def main() -> int:
           f"{REPEATS} alternating runs each")  # fmt: skip
     print(f"{'implementation':34s} {'median':>9s} {'min':>9s} {'busbw':>11s} {'x torch':>8s}")
     for name, label in (("torch", "torch.distributed.all_reduce"), ("ring", "labsupport ring")):
-        busbw = comm.bus_bandwidth(NBYTES, medians[name], WORLD) / 1e9
+        busbw = bus_bandwidth(NBYTES, medians[name], WORLD) / 1e9
         print(
             f"{label:34s} {medians[name] * 1e3:7.1f}ms {min(times[name]) * 1e3:7.1f}ms "
             f"{busbw:7.2f}GB/s {medians[name] / medians['torch']:7.2f}x"
