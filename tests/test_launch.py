@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labsupport import LaunchError, LaunchTimeout, launch, runtime, warm_up
+from labsupport import LaunchError, LaunchTimeout, launch, warm_up
+from labsupport.launch import errors, runtime
 
 TORCHRUN_VARS = (
     "RANK",
@@ -296,3 +297,27 @@ def test_warm_up_starts_the_forkserver_ahead_of_the_first_launch():
     warm_up()
     assert multiprocessing.forkserver._forkserver._forkserver_pid is not None
     assert launch(lambda: dist.get_rank(), 2, timeout=60) == [0, 1]
+
+
+# --------------------------------------------------------------------------- without ranks
+
+
+def test_auto_backend_pairs_gloo_with_nccl_only_with_a_gpu_per_rank(monkeypatch):
+    monkeypatch.setattr(runtime, "gpus_visible", lambda: 2)
+    assert runtime.resolve_backend("auto", 2) == "cpu:gloo,cuda:nccl"
+    assert runtime.resolve_backend("auto", 3) == "gloo"
+    assert runtime.resolve_backend("gloo", 1) == "gloo"
+    with pytest.raises(ValueError, match="3 ranks on this node but 2 GPU"):
+        runtime.resolve_backend("nccl", 3)
+
+
+def test_errors_are_summarised_without_cxx_locations():
+    long = (
+        "RuntimeError: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+        "Connection closed by peer [127.0.0.1]:4242. This is typically caused by a crash."
+    )
+    assert errors.shorten(long) == "RuntimeError: Connection closed by peer [127.0.0.1]:4242."
+    failure = errors.RankFailure(0, "exception", long)
+    assert failure.knock_on
+    assert not errors.RankFailure(1, "exception", "ValueError: bad shard").knock_on
+    assert not errors.RankFailure(1, "signal", "killed by signal SIGKILL").knock_on

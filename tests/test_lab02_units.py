@@ -1,0 +1,122 @@
+"""Lab 2, units: the formats table, what a cast to 16 bits does to gradients, the
+all-reduce in each dtype on real ranks, and the exercises' checkers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from labsupport import launch
+from labsupport.comm.allreduce import bytes_sent
+from labsupport.estimate.dtypes import FORMATS, dtype_bytes
+from labsupport.estimate.params import gpt_params
+from labsupport.labs import lab02_units
+
+
+def test_format_rows_hold_each_formats_range_and_precision():
+    rows = {r["format"]: r for r in lab02_units.format_rows()}
+    assert list(rows) == list(FORMATS)
+    assert rows["fp16"]["bits (s-e-m)"] == "16 (1-5-10)"
+    assert rows["fp16"]["max"] == "65504"
+    assert rows["fp16"]["eps"] == "2^-10 = 0.000977"
+    assert rows["bf16"]["digits"] == "2.4"  # 8 significant bits: log10(2^8)
+    assert rows["fp8 e4m3"]["max"] == "448"
+
+
+def test_cast_report_counts_underflow_overflow_and_subnormals():
+    values = torch.tensor([1e-9, 1e-6, 1.0, 1e5, 0.0])
+    r = lab02_units.cast_report(values, "fp16")
+    assert r["zero"] == 0.25  # 1e-9 of the four nonzero values
+    assert r["inf"] == 0.25  # 1e5
+    assert r["subnormal"] == 0.25  # 1e-6 < 2^-14
+    scaled = lab02_units.cast_report(values, "fp16", scale=2.0**-4)
+    assert scaled["inf"] == 0 and scaled["zero"] == 0.25
+    assert lab02_units.cast_report(values, "bf16")["zero"] == 0
+
+
+def test_loss_scaling_rescues_logit_gradients():
+    grads = lab02_units.tiny_gpt_gradients(vocab_size=1024, batch=8)
+    assert grads["tokens"] == 8 * 64
+    assert grads["logits"].numel() == 8 * 64 * 1024
+    rows = lab02_units.loss_scale_sweep(grads["logits"], "fp16", powers=[0, 16, 40])
+    assert [r["log2 scale"] for r in rows] == [0, 16, 40]
+    assert rows[0]["subnormal"] > 0.5  # entries about 1 / (V * tokens) ~ 2e-6
+    assert rows[1]["subnormal"] == 0 and rows[1]["inf"] == 0
+    assert rows[1]["median rel. error"] < rows[0]["median rel. error"] / 5
+    assert rows[2]["inf"] > 0  # too large a scale overflows
+
+
+def test_all_reduce_in_dtypes_on_real_ranks():
+    world, numel = 3, 999
+    results = launch(lab02_units.all_reduce_in_dtypes, world_size=world, kwargs={"numel": numel})
+    assert [r["rank"] for r in results] == list(range(world))
+    cases = {(c["dtype"], c["loss scale"]): c for c in results[0]["cases"]}
+    assert list(cases) == list(lab02_units.ALL_REDUCE_CASES)
+    for r in results[1:]:
+        assert [c["checksum"] for c in r["cases"]] == [c["checksum"] for c in results[0]["cases"]]
+    assert cases["fp32", 1.0]["relative error"] < 1e-6
+    assert 1e-4 < cases["fp16", 1.0]["relative error"] < 2e-3
+    assert 1e-3 < cases["bf16", 1.0]["relative error"] < 1e-2
+    for r in results:  # a 16-bit gradient sends half the bytes of an fp32 one
+        for case in r["cases"]:
+            want = bytes_sent("ring", numel, dtype_bytes(case["dtype"]), world, r["rank"])
+            assert case["bytes sent"] == want
+
+    tiny = launch(
+        lab02_units.all_reduce_in_dtypes, world_size=2, kwargs={"numel": 512, "scale": 1e-8}
+    )
+    cases = {(c["dtype"], c["loss scale"]): c for c in tiny[0]["cases"]}
+    assert cases["fp16", 1.0]["relative error"] > 0.5  # flushed to zero
+    assert cases["fp16", 1.0]["zeros"] > 0
+    assert cases["fp16", 2.0**16]["relative error"] < 2e-3  # rescued by the scale
+    assert cases["bf16", 1.0]["relative error"] < 1e-2
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+def test_check_untied_gpt_params():
+    lab02_units.check_untied_gpt_params(
+        lambda V, P, d, L: 2 * V * d + P * d + L * (12 * d * d + 2 * d) + d
+    )
+    with pytest.raises(AssertionError, match="GPT-2's formula"):
+        lab02_units.check_untied_gpt_params(gpt_params)
+    with pytest.raises(AssertionError, match="second V x d"):
+        lab02_units.check_untied_gpt_params(
+            lambda V, P, d, L: V * d + P * d + L * (12 * d * d + 2 * d) + d
+        )
+
+
+def test_check_safe_loss_scale():
+    fp16_max = 65504.0
+    lab02_units.check_safe_loss_scale(
+        lambda g: 2.0 ** math.floor(math.log2(fp16_max / g.abs().max().item()))
+    )
+    with pytest.raises(AssertionError, match="the largest safe scale is"):
+        lab02_units.check_safe_loss_scale(lambda g: 2.0**16)
+    with pytest.raises(AssertionError, match="power of two"):
+        lab02_units.check_safe_loss_scale(lambda g: fp16_max / g.abs().max().item())
+
+
+def _decode(pattern, e_bits, m_bits):
+    s, e, m = pattern.split()
+    sign, exp, man = (-1) ** int(s), int(e, 2), int(m, 2)
+    bias = 2 ** (e_bits - 1) - 1
+    if exp == 0:
+        return sign * man / 2**m_bits * 2.0 ** (1 - bias)
+    return sign * (1 + man / 2**m_bits) * 2.0 ** (exp - bias)
+
+
+def test_check_decode():
+    lab02_units.check_decode(_decode)
+
+    def no_subnormals(pattern, e_bits, m_bits):
+        s, e, m = pattern.split()
+        bias = 2 ** (e_bits - 1) - 1
+        value = (1 + int(m, 2) / 2**m_bits) * 2.0 ** (int(e, 2) - bias)
+        return (-1) ** int(s) * value
+
+    with pytest.raises(AssertionError, match="stored value is"):
+        lab02_units.check_decode(no_subnormals)
