@@ -63,7 +63,8 @@ def test_a_function_defined_in_the_notebook_runs_on_every_rank(kernel):
         f"[rank {r}] hello from rank {r} line {i}\n" for r in range(4) for i in range(3)
     )
     # The record that stays in the notebook is grouped by rank, whatever the timing.
-    assert streams(messages) == expected + "[0, 1, 4, 9]\n"
+    header = "(output of the 4 ranks, in rank order)\n"
+    assert streams(messages) == header + expected + "[0, 1, 4, 9]\n"
 
 
 def test_output_is_live_while_the_ranks_run(kernel):
@@ -83,9 +84,11 @@ def test_output_is_live_while_the_ranks_run(kernel):
     assert displays[0]["msg_type"] == "display_data"
     shown = [m["content"]["data"]["text/plain"] for m in displays]
     assert any("before the pause" in text and "after" not in text for text in shown)
-    # ... which is emptied at the end: a stored notebook keeps the rank-ordered record.
-    assert shown[-1] == "" and shown[0] == ""
-    assert streams(messages) == "".join(
+    # ... which says what is happening before the first line arrives ...
+    assert shown[0].startswith("starting 2 ranks ...")
+    # ... and is emptied at the end: a stored notebook keeps the rank-ordered record.
+    assert shown[-1] == ""
+    assert streams(messages) == "(output of the 2 ranks, in rank order)\n" + "".join(
         f"[rank {r}] {what} the pause\n" for r in range(2) for what in ("before", "after")
     )
 
@@ -125,7 +128,10 @@ def test_interrupting_the_kernel_stops_every_rank(kernel):
     manager.interrupt_kernel()
     reply = client.get_shell_msg(timeout=60)
     assert reply["parent_header"]["msg_id"] == msg_id
-    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert reply["content"]["ename"] == "LaunchInterrupted"  # a KeyboardInterrupt
+    assert reply["content"]["evalue"] == "launch interrupted; all 3 ranks were stopped."
+    # IPython shows one line, not the launcher's and the selector's frames
+    assert len(reply["content"]["traceback"]) == 1
     assert time.monotonic() - started < 10
     gone, alive = psutil.wait_procs(ranks, timeout=5)
     assert alive == []

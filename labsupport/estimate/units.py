@@ -25,13 +25,12 @@ def format_bytes(n: float, standard: str = "iec", decimals: int = 1) -> str:
 
     Uses the largest unit the value reaches, ``decimals`` decimals, none when the value
     is a whole number of that unit, and plain bytes below one kilobyte.
-    ``standard="auto"`` writes a size as people do: decimal for an exact multiple of a
-    power of 1000 (``"1 GB"``, as datasheets), binary for an exact multiple of a power of
-    1024 (``"16 KiB"``, as buffer sizes), binary otherwise.
+    ``standard="auto"`` writes a size as people do: decimal for a multiple of 1000 bytes
+    (``"1 GB"``, ``"1.5 MB"``, as datasheets), binary otherwise (``"16 KiB"``, as buffer
+    sizes).
     """
     if standard == "auto":
-        whole = float(n).is_integer() and abs(n) >= 1000
-        standard = "si" if whole and int(abs(n)) % 1000 ** _power(abs(n), 1000) == 0 else "iec"
+        standard = "si" if float(n).is_integer() and n and int(n) % 1000 == 0 else "iec"
     try:
         base, units = PREFIXES[standard]
     except KeyError:
@@ -44,14 +43,6 @@ def format_bytes(n: float, standard: str = "iec", decimals: int = 1) -> str:
     if power == 0 or scaled == int(scaled):
         return f"{sign}{scaled:.0f} {units[power]}"
     return f"{sign}{scaled:.{decimals}f} {units[power]}"
-
-
-def _power(value: float, base: int) -> int:
-    """The largest ``k`` with ``base**k <= value`` (at least 1)."""
-    k = 1
-    while base ** (k + 1) <= value:
-        k += 1
-    return k
 
 
 def format_count(n: float) -> str:

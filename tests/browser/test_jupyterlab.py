@@ -93,9 +93,7 @@ def open_notebook(browser, server, name: str):
 
 def command(page, name: str, args: dict | None = None) -> None:
     """Start JupyterLab command ``name`` (as its menu entry does); do not wait for it."""
-    page.evaluate(
-        "([n, a]) => { window.jupyterapp.commands.execute(n, a); }", [name, args or {}]
-    )
+    page.evaluate("([n, a]) => { window.jupyterapp.commands.execute(n, a); }", [name, args or {}])
 
 
 def kernel_status(page) -> str:
