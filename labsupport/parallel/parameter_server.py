@@ -1,0 +1,163 @@
+"""A parameter server: server ranks hold the parameters, worker ranks compute gradients.
+
+The architecture of DistBelief's Downpour SGD (Dean et al. 2012) and of Li et al.'s
+parameter server (OSDI 2014), which data parallelism grew from. Ranks ``0 .. servers-1``
+are servers; each holds one shard of the flattened parameters (``tensor_split``). The
+other ranks are workers: each pulls the parameters, computes the gradient of its own
+batch, and pushes it back, shard by shard, over point-to-point messages.
+
+* ``mode="sync"``: a server waits for every worker's gradient, averages them (in worker
+  order), takes one SGD step and sends the new parameters to every worker: step for step
+  the same as one process doing SGD on all the workers' batches together.
+* ``mode="async"``: a server applies each gradient as it arrives and answers that worker
+  at once. Each update records its *staleness*, the server's version now minus the
+  version the gradient was computed on. ``staleness_bound=s`` makes it stale-synchronous
+  (Ho et al. 2013): a worker more than ``s`` pushes ahead of the slowest waits.
+
+A push is two messages: a small header (worker, version, loss) on a gloo group, which a
+server can receive *from any sender* (gloo supports it, NCCL does not), then the gradient
+shard on the default group, from that sender, on :func:`labsupport.launch.device`.
+Every byte sent goes through :mod:`labsupport.comm.p2p` and is counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from labsupport.comm.p2p import Group, isend
+from labsupport.launch.runtime import device
+
+MODES = ("sync", "async")
+
+
+def train(
+    make_model: Callable[[], nn.Module],
+    batch: Callable[[int, int], tuple],
+    loss_fn: Callable,
+    steps: int,
+    servers: int = 1,
+    mode: str = "sync",
+    lr: float = 0.1,
+    staleness_bound: int | None = None,
+    straggler: tuple[int, float] | None = None,
+) -> dict:
+    """Run on every rank: parameter-server SGD for ``steps`` pushes per worker.
+
+    ``make_model()`` builds the same model on every rank (seed it); ``batch(worker, step)``
+    gives worker ``worker`` (0-based) its ``(inputs, targets)`` for ``step``;
+    ``loss_fn(outputs, targets)``. ``straggler=(worker, factor)`` makes one worker take
+    ``factor`` times as long per step (it sleeps the difference).
+
+    Returns, on servers, ``{"role": "server", "shard": (start, stop), "updates": [...],
+    "parameters": final shard}`` with one record per update (``worker``, ``staleness``,
+    ``version``, ``loss``, ``time`` since the start); on workers, ``{"role": "worker",
+    "losses": [...], "parameters": the last parameters pulled}``.
+    """
+    world = dist.get_world_size()
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not 1 <= servers < world:
+        raise ValueError(
+            f"{servers} server(s) and {world} ranks leave {world - servers} workers; "
+            "use at least one server and one worker (world_size >= servers + 1)"
+        )
+    control = dist.new_group(backend="gloo")  # every rank takes part in creating it
+    model = make_model().to(device())
+    flat = parameters_to_vector(model.parameters()).detach()
+    bounds = _shard_bounds(flat.numel(), servers)
+    start = time.perf_counter()
+    if dist.get_rank() < servers:
+        return _serve(flat, bounds, world - servers, servers, steps, mode, lr,
+                      staleness_bound, control, start)  # fmt: skip
+    return _work(model, flat, bounds, batch, loss_fn, steps, servers, straggler, control)
+
+
+def _shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
+    sizes = [len(part) for part in torch.arange(numel).tensor_split(servers)]
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def _serve(flat, bounds, workers, servers, steps, mode, lr, bound, control, start):
+    me = dist.get_rank()
+    lo, hi = bounds[me]
+    shard = flat[lo:hi].clone()
+    g = Group()
+    version, updates = 0, []
+    for w in range(workers):  # the initial parameters
+        isend(g, torch.cat([shard, _scalar(version)]), servers + w).wait()
+    header, grad = torch.zeros(3), torch.empty_like(shard)
+    clock = [0] * workers  # pushes received from each worker
+    deferred: list[int] = []  # workers waiting for the slowest (stale-synchronous)
+    pending: dict[int, torch.Tensor] = {}
+    for _ in range(steps * workers):
+        sender = dist.recv(header, group=control)  # from any worker
+        dist.recv(grad, src=sender)
+        worker, seen, loss = int(header[0]), int(header[1]), float(header[2])
+        clock[worker] += 1
+        record = {"worker": worker, "version": version, "loss": loss,
+                  "time": time.perf_counter() - start}  # fmt: skip
+        if mode == "sync":
+            pending[worker] = grad.clone()
+            record["staleness"] = version - seen
+            updates.append(record)
+            if len(pending) == workers:  # everyone has pushed: one averaged step
+                shard -= lr * sum(pending[w] for w in range(workers)) / workers
+                version += 1
+                pending.clear()
+                for w in range(workers):
+                    if clock[w] < steps:  # the last step's parameters have no one to go to
+                        isend(g, torch.cat([shard, _scalar(version)]), servers + w).wait()
+            continue
+        record["staleness"] = version - seen
+        shard -= lr * grad
+        version += 1
+        updates.append(record)
+        deferred.append(worker)
+        for w in [w for w in deferred if bound is None or clock[w] - min(clock) <= bound]:
+            deferred.remove(w)
+            if clock[w] < steps:  # a worker that pushed its last gradient waits no more
+                isend(g, torch.cat([shard, _scalar(version)]), servers + w).wait()
+    return {"role": "server", "shard": (lo, hi), "updates": updates, "parameters": shard.cpu()}
+
+
+def _work(model, flat, bounds, batch, loss_fn, steps, servers, straggler, control):
+    me = dist.get_rank()
+    worker = me - len(bounds)
+    g, gc = Group(), Group(control)
+    incoming = [torch.empty(hi - lo + 1, device=device()) for lo, hi in bounds]
+    losses = []
+    for step in range(steps):
+        versions = []
+        for s, buf in enumerate(incoming):  # pull every shard
+            dist.recv(buf, src=s)
+            lo, hi = bounds[s]
+            flat[lo:hi] = buf[:-1]
+            versions.append(int(buf[-1]))
+        vector_to_parameters(flat, model.parameters())
+        begin = time.perf_counter()
+        inputs, targets = batch(worker, step)
+        model.zero_grad()
+        loss = loss_fn(model(inputs.to(device())), targets.to(device()))
+        loss.backward()
+        if straggler is not None and straggler[0] == worker:
+            time.sleep((straggler[1] - 1) * (time.perf_counter() - begin))
+        grads = parameters_to_vector(p.grad for p in model.parameters())
+        losses.append(loss.item())
+        for s, (lo, hi) in enumerate(bounds):  # push every shard
+            isend(gc, torch.tensor([worker, versions[s], loss.item()]), s).wait()
+            isend(g, grads[lo:hi].contiguous(), s).wait()
+    return {"role": "worker", "losses": losses, "parameters": flat.cpu()}
+
+
+def _scalar(value: float) -> torch.Tensor:
+    return torch.tensor([float(value)], device=device())
