@@ -80,6 +80,7 @@ figures: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.launch
 	$(PY) -m bench.allreduce
+	$(PY) -m bench.ddp
 
 # 1,000 launches of a function that does nothing, two busy processes beside them.
 stress: $(STAMP)
