@@ -3,7 +3,10 @@
 * :mod:`~labsupport.parallel.parameter_server`: server and worker ranks, synchronous,
   asynchronous and stale-synchronous (chapter 9);
 * :mod:`~labsupport.parallel.data_parallel`: data parallelism from scratch, naive and
-  bucketed with overlap (PyTorch's ``DistributedDataParallel``; chapter 10).
+  bucketed with overlap (PyTorch's ``DistributedDataParallel``; chapter 10);
+* :mod:`~labsupport.parallel.schedules` and :mod:`~labsupport.parallel.pipeline_parallel`:
+  pipeline schedules as data (naive, GPipe, 1F1B, interleaved), checked by simulation,
+  and the executor that runs any of them on the course GPT's stages (chapter 11).
 
 Each runs unchanged under :func:`labsupport.launch` and under ``torchrun``, on gloo or
 NCCL, takes an explicit ``group=`` where a process group matters, and is checked in the
