@@ -6,7 +6,11 @@
   bucketed with overlap (PyTorch's ``DistributedDataParallel``; chapter 10);
 * :mod:`~labsupport.parallel.schedules` and :mod:`~labsupport.parallel.pipeline_parallel`:
   pipeline schedules as data (naive, GPipe, 1F1B, interleaved), checked by simulation,
-  and the executor that runs any of them on the course GPT's stages (chapter 11).
+  and the executor that runs any of them on the course GPT's stages (chapter 11);
+* :mod:`~labsupport.parallel.tensor_parallel` and
+  :mod:`~labsupport.parallel.tensor_parallel_model`: Megatron's column- and row-parallel
+  layers, the f/g operators, sequence parallelism, the vocabulary-parallel embedding and
+  loss, and the course GPT split over ranks (chapter 12).
 
 Each runs unchanged under :func:`labsupport.launch` and under ``torchrun``, on gloo or
 NCCL, takes an explicit ``group=`` where a process group matters, and is checked in the

@@ -1,0 +1,147 @@
+"""The course GPT, tensor-parallel: its blocks, embedding and head split over ``t`` ranks.
+
+Built from a dense :class:`labsupport.models.GPT` (same weights, so a test can hold
+every output and gradient against the dense model's), with the layers of
+:mod:`labsupport.parallel.tensor_parallel`:
+
+* attention: ``c_attn`` column-parallel, each rank the Q, K and V of ``n_head / t``
+  heads; the heads' attention computed locally; ``c_proj`` row-parallel;
+* MLP: ``c_fc`` column-parallel, ``c_proj`` row-parallel;
+* LayerNorms replicated; with ``sequence_parallel`` they (and the dropouts, and the
+  row-parallel layers' biases) work on ``1/t`` of the sequence each, and
+  :func:`all_reduce_sequence_parallel_grads` sums their gradients over the ranks after
+  backward (Korthikanti et al. 2022, section 4.2.2);
+* dropout inside the split attention draws from a generator seeded per rank (different
+  masks for different heads), dropout in the replicated regions from the shared one
+  (the same mask on every rank), as Megatron's ``get_cuda_rng_tracker``;
+* the token embedding and the output layer split by vocabulary (padded to a multiple of
+  ``t``), the loss computed without gathering the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from labsupport.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    _divide,
+    copy_to_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+
+
+def _rows(weight: torch.Tensor, parts: int, rank: int, pieces: int = 1) -> torch.Tensor:
+    """This rank's slice of each of ``pieces`` equal row blocks (Q, K, V: pieces = 3)."""
+    return torch.cat([w.chunk(parts)[rank] for w in weight.chunk(pieces)])
+
+
+class ParallelBlock(nn.Module):
+    """One transformer block of the course GPT, split over the ranks of ``group``."""
+
+    def __init__(self, block, config, group=None, sequence_parallel: bool = False, seed=0):
+        super().__init__()
+        t, rank = dist.get_world_size(group), dist.get_rank(group)
+        c = config.n_embd
+        self.heads = _divide(config.n_head, t, "n_head")
+        _divide(4 * c, t, "4 * n_embd")
+        self.group, self.sequence_parallel, self.config = group, sequence_parallel, config
+        self.ln_1, self.ln_2 = _copy(block.ln_1), _copy(block.ln_2)
+        sp = {"sequence_parallel": sequence_parallel, "group": group}
+        bias = config.bias
+        self.c_attn = ColumnParallelLinear(c, 3 * c, bias=bias, **sp)
+        self.attn_proj = RowParallelLinear(c, c, bias=bias, **sp)
+        self.c_fc = ColumnParallelLinear(c, 4 * c, bias=bias, **sp)
+        self.mlp_proj = RowParallelLinear(4 * c, c, bias=bias, **sp)
+        dense = block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj
+        with torch.no_grad():
+            self.c_attn.weight.copy_(_rows(dense[0].weight, t, rank, 3))
+            self.attn_proj.weight.copy_(dense[1].weight.chunk(t, dim=1)[rank])
+            self.c_fc.weight.copy_(dense[2].weight.chunk(t)[rank])
+            self.mlp_proj.weight.copy_(dense[3].weight.chunk(t, dim=1)[rank])
+            if bias:
+                self.c_attn.bias.copy_(_rows(dense[0].bias, t, rank, 3))
+                self.c_fc.bias.copy_(dense[2].bias.chunk(t)[rank])
+                self.attn_proj.bias.copy_(dense[1].bias)
+                self.mlp_proj.bias.copy_(dense[3].bias)
+        self.sharded_seed = seed + 1000 * (rank + 1)
+
+    def forward(self, x):
+        x = x + F.dropout(self.attn_proj(self._attention(self.ln_1(x))),
+                          self.config.dropout, self.training)  # fmt: skip
+        h = F.gelu(self.c_fc(self.ln_2(x)))
+        return x + F.dropout(self.mlp_proj(h), self.config.dropout, self.training)
+
+    def _attention(self, x):
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        b, s, local = q.shape
+        q, k, v = (z.view(b, s, self.heads, local // self.heads).transpose(1, 2) for z in (q, k, v))
+        p = self.config.dropout if self.training else 0.0
+        with torch.random.fork_rng(devices=[]):  # a different dropout mask per rank's heads
+            torch.manual_seed(self.sharded_seed)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            self.sharded_seed += 1
+        return y.transpose(1, 2).reshape(b, s, local)
+
+
+def _copy(module: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def all_reduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:
+    """With sequence parallelism each rank's LayerNorms, and the biases added after a
+    row-parallel layer's reduce-scatter, saw ``1/t`` of the sequence: sum their gradients
+    over the ranks (Megatron does it for parameters marked ``sequence_parallel``)."""
+    for m in module.modules():
+        shared = [*m.parameters()] if isinstance(m, nn.LayerNorm) else []
+        if isinstance(m, RowParallelLinear) and m.sequence_parallel and m.bias is not None:
+            shared.append(m.bias)
+        for p in shared:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+
+
+class ParallelGPT(nn.Module):
+    """The whole course GPT, tensor-parallel (without sequence parallelism): the
+    vocabulary-parallel embedding (tied with the output layer's weight, both split by
+    vocabulary), replicated positions, parallel blocks, and the loss computed on logits
+    split by vocabulary."""
+
+    def __init__(self, gpt, group=None):
+        super().__init__()
+        t, rank = dist.get_world_size(group), dist.get_rank(group)
+        config = gpt.config
+        self.config, self.group = config, group
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, group)
+        padded = torch.zeros(self.wte.padded, config.n_embd)
+        padded[: config.vocab_size] = gpt.wte.weight.detach()
+        with torch.no_grad():
+            self.wte.weight.copy_(padded.chunk(t)[rank])
+        self.wpe, self.ln_f = _copy(gpt.wpe), _copy(gpt.ln_f)
+        self.h = nn.ModuleList(ParallelBlock(b, config, group) for b in gpt.h)
+        if config.tie_weights:
+            self.head_weight = self.wte.weight
+        else:
+            head = torch.zeros(self.wte.padded, config.n_embd)
+            head[: config.vocab_size] = gpt.lm_head.weight.detach()
+            self.head_weight = nn.Parameter(head.chunk(t)[rank].clone())
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = F.dropout(self.wte(idx) + self.wpe(pos), self.config.dropout, self.training)
+        for block in self.h:
+            x = block(x)
+        x = copy_to_tensor_model_parallel_region(self.ln_f(x), self.group)
+        logits = F.linear(x, self.head_weight)  # this rank's slice of the vocabulary
+        padding = torch.arange(logits.size(-1), device=logits.device) + self.wte.start
+        logits = logits.masked_fill(padding >= self.config.vocab_size, float("-inf"))
+        if targets is None:
+            return logits, None
+        losses = vocab_parallel_cross_entropy(logits, targets, self.wte.start, self.group)
+        return logits, losses.mean()

@@ -1,0 +1,165 @@
+"""Tensor parallelism against the dense model: every output and every gradient, on 2 and
+4 ranks, with and without sequence parallelism; the collectives counted; the same as
+DTensor's ColwiseParallel / RowwiseParallel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labsupport import LaunchError, launch
+from labsupport.comm import traced
+from labsupport.models import GPT, GPTConfig, random_tokens
+from labsupport.parallel import tensor_parallel_model as tpm
+from labsupport.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+# float32; the split sums (over t partial products of n_embd/t terms, then all-reduced)
+# reorder additions of ~100 terms: relative differences ~1e-6 at most.
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+B, T = 2, 8
+
+
+def config(vocab: int = 64, heads: int = 4) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, block_size=T, n_layer=2, n_head=heads, n_embd=32)
+
+
+def dense_gpt(vocab: int = 64, heads: int = 4) -> GPT:
+    torch.manual_seed(0)
+    return GPT(config(vocab, heads))
+
+
+def block_case(sequence_parallel: bool) -> dict:
+    t, rank = dist.get_world_size(), dist.get_rank()
+    gpt = dense_gpt()
+    dense = gpt.h[0]
+    x = torch.randn(B, T, 32, generator=torch.Generator().manual_seed(1))
+    x_dense = x.clone().requires_grad_(True)
+    y_dense = dense(x_dense)
+    y_dense.square().sum().backward()
+    block = tpm.ParallelBlock(dense, gpt.config, sequence_parallel=sequence_parallel)
+    x_local = (x.chunk(t, dim=1)[rank] if sequence_parallel else x).clone().requires_grad_(True)
+    with traced.trace_collectives() as forward:
+        y = block(x_local)
+    with traced.trace_collectives() as backward:
+        y.square().sum().backward()
+    if sequence_parallel:
+        tpm.all_reduce_sequence_parallel_grads(block)
+    a, d = block, dense
+    pairs = {
+        "c_attn.weight": (a.c_attn.weight.grad, tpm._rows(d.attn.c_attn.weight.grad, t, rank, 3)),
+        "c_attn.bias": (a.c_attn.bias.grad, tpm._rows(d.attn.c_attn.bias.grad, t, rank, 3)),
+        "attn_proj.weight": (a.attn_proj.weight.grad, d.attn.c_proj.weight.grad.chunk(t, 1)[rank]),
+        "attn_proj.bias": (a.attn_proj.bias.grad, d.attn.c_proj.bias.grad),
+        "c_fc.weight": (a.c_fc.weight.grad, d.mlp.c_fc.weight.grad.chunk(t)[rank]),
+        "mlp_proj.weight": (a.mlp_proj.weight.grad, d.mlp.c_proj.weight.grad.chunk(t, 1)[rank]),
+        "ln_1.weight": (a.ln_1.weight.grad, d.ln_1.weight.grad),
+        "ln_2.bias": (a.ln_2.bias.grad, d.ln_2.bias.grad),
+        "mlp_proj.bias": (a.mlp_proj.bias.grad, d.mlp.c_proj.bias.grad),
+    }
+    want_x = x_dense.grad.chunk(t, dim=1)[rank] if sequence_parallel else x_dense.grad
+    out = y.detach()
+    want_y = y_dense.detach().chunk(t, dim=1)[rank] if sequence_parallel else y_dense.detach()
+    return {
+        "pairs": pairs,
+        "input_grad": (x_local.grad, want_x),
+        "output": (out, want_y),
+        "forward": [name for name, _, _ in forward.calls],
+        "backward": [name for name, _, _ in backward.calls],
+        "bytes": traced.bytes_per_rank(forward) + traced.bytes_per_rank(backward),
+    }
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_parallel_block_equals_the_dense_block(t, sequence_parallel):
+    for r in launch(block_case, t, args=(sequence_parallel,), timeout=120):
+        for name, (got, want) in r["pairs"].items():
+            torch.testing.assert_close(got, want, **TOL, msg=name)
+        torch.testing.assert_close(*r["input_grad"], **TOL)
+        torch.testing.assert_close(*r["output"], **TOL)
+        activation = B * T * 32 * 4  # bytes of one full (b, s, h) float32 activation
+        if sequence_parallel:  # all-gather before each column layer, reduce-scatter after
+            assert r["forward"] == ["all_gather", "reduce_scatter"] * 2
+            assert sorted(r["backward"]) == sorted(["reduce_scatter", "all_gather"] * 2)
+            assert r["bytes"] == pytest.approx(8 * (t - 1) / t * activation)
+        else:  # g after attention and after the MLP; f's all-reduce before each, backward
+            assert r["forward"] == ["all_reduce", "all_reduce"]
+            assert r["backward"] == ["all_reduce", "all_reduce"]
+            assert r["bytes"] == pytest.approx(4 * 2 * (t - 1) / t * activation)
+
+
+def gpt_case(vocab: int) -> dict:
+    gpt = dense_gpt(vocab)
+    idx, targets = random_tokens(B, T, vocab, seed=3)
+    loss_dense = gpt(idx, targets)[1]
+    loss_dense.backward()
+    model = tpm.ParallelGPT(gpt)
+    loss = model(idx, targets)[1]
+    loss.backward()
+    t, rank = dist.get_world_size(), dist.get_rank()
+    padded = torch.zeros(model.wte.padded, 32)
+    padded[:vocab] = gpt.wte.weight.grad
+    return {
+        "loss": (loss.detach(), loss_dense.detach()),
+        "wte": (model.wte.weight.grad, padded.chunk(t)[rank]),
+        "wpe": (model.wpe.weight.grad, gpt.wpe.weight.grad),
+        "ln_f": (model.ln_f.weight.grad, gpt.ln_f.weight.grad),
+        "fc": (model.h[1].c_fc.weight.grad, gpt.h[1].mlp.c_fc.weight.grad.chunk(t)[rank]),
+    }
+
+
+@pytest.mark.parametrize(("t", "vocab"), [(2, 64), (2, 65), (4, 66)])
+def test_the_parallel_gpt_gives_the_dense_loss_and_gradients(t, vocab):
+    """65 and 66 do not divide by t: the vocabulary is padded, the padding never wins."""
+    for r in launch(gpt_case, t, args=(vocab,), timeout=120):
+        for name, (got, want) in r.items():
+            torch.testing.assert_close(got, want, **TOL, msg=name)
+
+
+def heads_do_not_divide():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=64, block_size=T, n_layer=1, n_head=3, n_embd=30))
+    tpm.ParallelBlock(gpt.h[0], gpt.config)
+
+
+def test_sizes_that_do_not_divide_are_named_in_the_error():
+    with pytest.raises(LaunchError, match="n_head = 3 does not divide over 2"):
+        launch(heads_do_not_divide, 2, timeout=60)
+
+
+def dtensor_case() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    t, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    ours = torch.nn.Sequential(ColumnParallelLinear(16, 64), torch.nn.GELU(),
+                               RowParallelLinear(64, 16))  # fmt: skip
+    with torch.no_grad():
+        ours[0].weight.copy_(mlp[0].weight.chunk(t)[rank])
+        ours[0].bias.copy_(mlp[0].bias.chunk(t)[rank])
+        ours[2].weight.copy_(mlp[2].weight.chunk(t, dim=1)[rank])
+        ours[2].bias.copy_(mlp[2].bias)
+    mesh = init_device_mesh("cpu", (t,))
+    theirs = parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
+    ours(x).square().sum().backward()
+    theirs(x).square().sum().backward()
+    return {
+        "fc1": (ours[0].weight.grad, theirs[0].weight.grad.to_local()),
+        "fc2": (ours[2].weight.grad, theirs[2].weight.grad.to_local()),
+        "bias": (ours[2].bias.grad, theirs[2].bias.grad.full_tensor()),
+    }
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_column_then_row_equals_dtensor_colwise_then_rowwise(t):
+    for r in launch(dtensor_case, t, timeout=120):
+        for name, (got, want) in r.items():
+            torch.testing.assert_close(got, want, **TOL, msg=name)
