@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from notebook_solutions import solution, stub
 
 from labsupport import LaunchError, launch
 from labsupport.labs import lab07_collectives
@@ -45,17 +46,89 @@ def test_agreement_raises_on_a_mismatch():
         launch(lab07_collectives.run_primitive, 1, args=("all_reduce_everything",))
 
 
-def test_checkers_accept_solutions_and_reject_mistakes(capsys):
-    def correct(tensor_list, tensor):
-        dist.all_gather(tensor_list, tensor)
+# --------------------------------------------------------------------------- exercises
 
-    def off_by_one(tensor_list, tensor):
-        dist.all_gather(tensor_list, tensor + 1)
+LAB = "07-collectives.ipynb"
 
-    lab07_collectives.check_ring_all_gather(correct, world_sizes=(2, 3))
-    with pytest.raises(AssertionError, match="world_size=2, rank 0"):
-        lab07_collectives.check_ring_all_gather(off_by_one, world_sizes=(2,))
-    lab07_collectives.check_all_reduce_from_rs_ag(lambda t: dist.all_reduce(t), world_sizes=(3,))
-    with pytest.raises(AssertionError, match="world_size=3"):
-        lab07_collectives.check_all_reduce_from_rs_ag(lambda t: None, world_sizes=(3,))
-    assert capsys.readouterr().out.count("Correct") == 2
+
+def forgets_own_block(tensor_list, tensor):
+    """The ring of the solution, without first copying the rank's own tensor in."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(world - 1):
+        send = tensor_list[(rank - step) % world]
+        recv = tensor_list[(rank - step - 1) % world]
+        ops = [dist.P2POp(dist.isend, send, (rank + 1) % world)]
+        ops.append(dist.P2POp(dist.irecv, recv, (rank - 1) % world))
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+
+def resends_own_block(tensor_list, tensor):
+    """Sends its own block at every step instead of passing on the one it received."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tensor_list[rank].copy_(tensor)
+    for step in range(world - 1):
+        recv = tensor_list[(rank - step - 1) % world]
+        ops = [dist.P2POp(dist.isend, tensor_list[rank], (rank + 1) % world)]
+        ops.append(dist.P2POp(dist.irecv, recv, (rank - 1) % world))
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+
+def checks(capsys, checker, lab, name, verified, mistakes):
+    """The worked solution of ``name`` in notebook ``lab`` passes ``checker``, which says
+    what it verified; each ``(mistake, message)`` fails with an assertion that matches
+    ``message``; the stub is not attempted yet. (Lab 8's tests use it too.)"""
+    assert checker(solution(lab, name)) is True
+    assert capsys.readouterr().out.startswith(f"Correct: {verified}")
+    for mistake, message in mistakes:
+        with pytest.raises(AssertionError, match=message):
+            checker(mistake)
+    assert checker(stub(name)) is False
+    assert capsys.readouterr().out.startswith(f"Not attempted yet: write the body of {name}()")
+
+
+def test_ring_all_gather_checker(capsys):
+    mistakes = [
+        (forgets_own_block, "should hold the rank's own tensor"),
+        (resends_own_block, "with 3 ranks, rank 0 ended with"),
+    ]
+    verified = "every rank holds every rank's block"
+    check = lab07_collectives.check_ring_all_gather
+    checks(capsys, check, LAB, "ring_all_gather", verified, mistakes)
+
+
+def returns_a_new_tensor(tensor):
+    """Computes the sum, but returns it instead of writing it into ``tensor``."""
+    total = tensor.clone()
+    dist.all_reduce(total)
+    return total
+
+
+def averages(tensor):
+    """The mean, as DDP wants its gradients, rather than the sum asked for."""
+    dist.all_reduce(tensor)
+    tensor /= dist.get_world_size()
+
+
+def reduce_scatter_only(tensor):
+    """Stops after the reduce-scatter: only the rank's own block is summed."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    block = -(-tensor.numel() // world)
+    padded = torch.zeros(block * world)
+    padded[: tensor.numel()] = tensor
+    mine = torch.empty(block)
+    dist.reduce_scatter(mine, list(padded.split(block)))
+    padded[rank * block : (rank + 1) * block] = mine
+    tensor.copy_(padded[: tensor.numel()])
+
+
+def test_all_reduce_from_rs_ag_checker(capsys):
+    mistakes = [
+        (returns_a_new_tensor, "in place .a tensor you return is not looked at"),
+        (averages, "that is the mean"),
+        (reduce_scatter_only, "with 2 ranks, rank 0 ended with"),
+    ]
+    verified = "every rank's 7 values became their sum"
+    check = lab07_collectives.check_all_reduce_from_rs_ag
+    checks(capsys, check, LAB, "all_reduce_via_rs_ag", verified, mistakes)

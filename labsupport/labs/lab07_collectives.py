@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from labsupport import comm
+from labsupport.labs.cells import exercise
 from labsupport.launch.launcher import launch
 from labsupport.launch.runtime import device
 
@@ -113,36 +114,77 @@ def agreement(results: list[dict], name: str) -> str:
 # --------------------------------------------------------------------------- exercises
 
 
-def check_ring_all_gather(fn, world_sizes=(2, 3, 4)) -> None:
-    """Exercise 1: ``fn(tensor_list, tensor)`` must behave as ``dist.all_gather``."""
+def _mismatch(world: int, rank: int, ours, theirs, builtin: str) -> str:
+    return (
+        f"with {world} ranks, rank {rank} ended with {ours}, "
+        f"but torch.distributed.{builtin} gives {theirs} on the same input"
+    )
 
-    def trial():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        mine = labelled(rank, 3)
-        ours = [torch.zeros(3, device=device()) for _ in range(world)]
-        theirs = [torch.zeros(3, device=device()) for _ in range(world)]
-        fn(ours, mine)
-        dist.all_gather(theirs, mine)
-        return [t.tolist() for t in ours], [t.tolist() for t in theirs]
 
+def _gather_trial(fn):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = labelled(rank, 3)
+    ours = [torch.zeros(3, device=device()) for _ in range(world)]
+    theirs = [torch.zeros(3, device=device()) for _ in range(world)]
+    fn(ours, mine)
+    dist.all_gather(theirs, mine)
+    return [t.tolist() for t in ours], [t.tolist() for t in theirs], mine.tolist()
+
+
+@exercise
+def check_ring_all_gather(fn, world_sizes=(2, 3, 4)) -> str:
+    """Exercise 1: ``fn(tensor_list, tensor)``, run on every rank, must fill
+    ``tensor_list`` as ``dist.all_gather`` does."""
     for world in world_sizes:
-        for rank, (ours, theirs) in enumerate(launch(trial, world, timeout=60)):
-            assert ours == theirs, f"world_size={world}, rank {rank}: got {ours}, expected {theirs}"
-    print(f"Correct for world sizes {', '.join(map(str, world_sizes))}.")
+        results = launch(_gather_trial, world, args=(fn,), timeout=60)
+        for rank, (ours, theirs, mine) in enumerate(results):
+            if ours == theirs:
+                continue
+            hint = ""
+            if ours[rank] != mine:
+                hint = f"; tensor_list[{rank}] on rank {rank} should hold the rank's own tensor"
+            elif any(block == [0.0] * len(mine) for block in ours):
+                hint = "; some blocks never arrived: does every block go all the way around?"
+            raise AssertionError(_mismatch(world, rank, ours, theirs, "all_gather") + hint)
+    return (
+        "every rank holds every rank's block, in rank order, as torch.distributed.all_gather "
+        f"gives, on {_sizes(world_sizes)} ranks"
+    )
 
 
-def check_all_reduce_from_rs_ag(fn, world_sizes=(2, 3, 4)) -> None:
-    """Exercise 2: ``fn(tensor)`` must all-reduce (SUM) in place, like ``dist.all_reduce``."""
+def _all_reduce_trial(fn):
+    rank = dist.get_rank()
+    ours = labelled(rank, 7)  # 7 does not divide by every world size
+    before = ours.tolist()
+    theirs = ours.clone()
+    returned = fn(ours)
+    dist.all_reduce(theirs)
+    return ours.tolist(), theirs.tolist(), before, isinstance(returned, torch.Tensor)
 
-    def trial():
-        rank = dist.get_rank()
-        ours = labelled(rank, 7)  # 7 does not divide by every world size
-        theirs = ours.clone()
-        fn(ours)
-        dist.all_reduce(theirs)
-        return ours.tolist(), theirs.tolist()
 
+@exercise
+def check_all_reduce_from_rs_ag(fn, world_sizes=(2, 3, 4)) -> str:
+    """Exercise 2: ``fn(tensor)``, run on every rank, must sum ``tensor`` over the ranks
+    in place, as ``dist.all_reduce`` does."""
     for world in world_sizes:
-        for rank, (ours, theirs) in enumerate(launch(trial, world, timeout=60)):
-            assert ours == theirs, f"world_size={world}, rank {rank}: got {ours}, expected {theirs}"
-    print(f"Correct for world sizes {', '.join(map(str, world_sizes))}.")
+        results = launch(_all_reduce_trial, world, args=(fn,), timeout=60)
+        for rank, (ours, theirs, before, returned) in enumerate(results):
+            if ours == theirs:
+                continue
+            hint = ""
+            if ours == before:
+                hint = "; the tensor did not change: write the sum into it, in place"
+                if returned:
+                    hint += " (a tensor you return is not looked at)"
+            elif ours == [t / world for t in theirs]:
+                hint = "; that is the mean: the exercise asks for the sum"
+            raise AssertionError(_mismatch(world, rank, ours, theirs, "all_reduce") + hint)
+    return (
+        "every rank's 7 values became their sum over the ranks, in place, as "
+        f"torch.distributed.all_reduce gives, on {_sizes(world_sizes)} ranks"
+    )
+
+
+def _sizes(world_sizes) -> str:
+    *rest, last = map(str, world_sizes)
+    return f"{', '.join(rest)} and {last}" if rest else last
