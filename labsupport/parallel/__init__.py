@@ -10,7 +10,9 @@
 * :mod:`~labsupport.parallel.tensor_parallel` and
   :mod:`~labsupport.parallel.tensor_parallel_model`: Megatron's column- and row-parallel
   layers, the f/g operators, sequence parallelism, the vocabulary-parallel embedding and
-  loss, and the course GPT split over ranks (chapter 12).
+  loss, and the course GPT split over ranks (chapter 12);
+* :mod:`~labsupport.parallel.zero`: ZeRO stages 1, 2 and 3 from scratch, flat buffers
+  sharded over the data-parallel ranks (chapter 14).
 
 Each runs unchanged under :func:`labsupport.launch` and under ``torchrun``, on gloo or
 NCCL, takes an explicit ``group=`` where a process group matters, and is checked in the
