@@ -182,7 +182,10 @@ class LiveView:
             status = f"starting {world_size} rank{'s' if world_size > 1 else ''} ..."
             if first:
                 status += " (the first launch in this kernel imports torch once: a few seconds)"
-            self.handle = display({"text/plain": status}, raw=True, display_id=True)
+            # Created empty, then filled: nbval compares a cell's first display message
+            # and ignores updates, and the stored notebook keeps the emptied area.
+            self.handle = display({"text/plain": ""}, raw=True, display_id=True)
+            self.handle.update({"text/plain": status}, raw=True)
 
     def line(self, rank: int, stream: str, text: str) -> None:
         if stream == "progress":
