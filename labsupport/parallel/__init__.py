@@ -11,6 +11,8 @@
   :mod:`~labsupport.parallel.tensor_parallel_model`: Megatron's column- and row-parallel
   layers, the f/g operators, sequence parallelism, the vocabulary-parallel embedding and
   loss, and the course GPT split over ranks (chapter 12);
+* :mod:`~labsupport.parallel.parallel_state` and :mod:`~labsupport.parallel.hybrid`: the
+  mesh of tensor-, pipeline- and data-parallel groups, and the GPT trained 3D (chapter 13);
 * :mod:`~labsupport.parallel.zero`: ZeRO stages 1, 2 and 3 from scratch, flat buffers
   sharded over the data-parallel ranks (chapter 14).
 

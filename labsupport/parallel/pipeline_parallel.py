@@ -21,7 +21,6 @@ does, so both copies take the same step.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -74,9 +73,9 @@ def partition(layers: int, stages: int) -> list[range]:
 
 
 def stage_modules(gpt, p: int, rank: int, v: int = 1) -> dict[int, Stage]:
-    """This rank's chunks of ``gpt``: chunk ``c`` is stage ``c * p + rank``. Tied weights
-    are untied (the last stage gets a copy), :func:`run` keeps them equal."""
-    gpt = copy.deepcopy(gpt)
+    """This rank's chunks of ``gpt`` (a :class:`labsupport.models.GPT`, or a
+    tensor-parallel one), cut in place: chunk ``c`` is stage ``c * p + rank``. A tied
+    output weight is untied (the last stage gets a copy), :func:`run` keeps them equal."""
     if gpt.lm_head.weight is gpt.wte.weight:
         gpt.lm_head.weight = nn.Parameter(gpt.wte.weight.detach().clone())
         gpt.tied = True
@@ -173,13 +172,16 @@ def _all_reduce_tied(chunks: dict[int, Stage], g: Group, embedding_group) -> Non
         for w in mine:
             w.grad = total.clone()
         return
-    if embedding_group is None:
-        if g.group is not None and g.group is not dist.group.WORLD:
-            raise ValueError(
-                "a tied embedding in a pipeline that is not the whole world needs "
-                "embedding_group= (the group of its first and last stages' ranks)"
-            )
+    world = g.group is None or g.group is dist.group.WORLD
+    if embedding_group is None and world:  # every rank takes part in making it
         embedding_group = _world_embedding_group(g.size)
+    if not mine:  # a middle stage: no copy of the embedding here
+        return
+    if embedding_group is None:
+        raise ValueError(
+            "a tied embedding in a pipeline that is not the whole world needs "
+            "embedding_group= (the group of its first and last stages' ranks)"
+        )
     for w in mine:  # the first or the last stage (with v > 1 both may be here)
         dist.all_reduce(w.grad, group=embedding_group)
 

@@ -107,11 +107,20 @@ def all_reduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:
                 dist.all_reduce(p.grad, group=group)
 
 
+class _Head(nn.Module):
+    """The output layer's weight, this rank's rows of the (padded) vocabulary."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
 class ParallelGPT(nn.Module):
     """The whole course GPT, tensor-parallel (without sequence parallelism): the
     vocabulary-parallel embedding (tied with the output layer's weight, both split by
     vocabulary), replicated positions, parallel blocks, and the loss computed on logits
-    split by vocabulary."""
+    split by vocabulary. It has the dense model's pieces (``embed``, ``h`` and
+    ``run_block``, ``head``), so a pipeline stage can hold a part of it."""
 
     def __init__(self, gpt, group=None):
         super().__init__()
@@ -124,24 +133,34 @@ class ParallelGPT(nn.Module):
         with torch.no_grad():
             self.wte.weight.copy_(padded.chunk(t)[rank])
         self.wpe, self.ln_f = _copy(gpt.wpe), _copy(gpt.ln_f)
+        self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(ParallelBlock(b, config, group) for b in gpt.h)
         if config.tie_weights:
-            self.head_weight = self.wte.weight
+            self.lm_head = _Head(self.wte.weight)
         else:
             head = torch.zeros(self.wte.padded, config.n_embd)
             head[: config.vocab_size] = gpt.lm_head.weight.detach()
-            self.head_weight = nn.Parameter(head.chunk(t)[rank].clone())
+            self.lm_head = _Head(nn.Parameter(head.chunk(t)[rank].clone()))
 
-    def forward(self, idx, targets=None):
+    def embed(self, idx):
         pos = torch.arange(idx.size(1), device=idx.device)
-        x = F.dropout(self.wte(idx) + self.wpe(pos), self.config.dropout, self.training)
-        for block in self.h:
-            x = block(x)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def run_block(self, block, x):
+        return block(x)
+
+    def head(self, x, targets=None):
         x = copy_to_tensor_model_parallel_region(self.ln_f(x), self.group)
-        logits = F.linear(x, self.head_weight)  # this rank's slice of the vocabulary
+        logits = F.linear(x, self.lm_head.weight)  # this rank's slice of the vocabulary
         padding = torch.arange(logits.size(-1), device=logits.device) + self.wte.start
         logits = logits.masked_fill(padding >= self.config.vocab_size, float("-inf"))
         if targets is None:
             return logits, None
         losses = vocab_parallel_cross_entropy(logits, targets, self.wte.start, self.group)
         return logits, losses.mean()
+
+    def forward(self, idx, targets=None):
+        x = self.embed(idx)
+        for block in self.h:
+            x = self.run_block(block, x)
+        return self.head(x, targets)
