@@ -1,4 +1,4 @@
-"""Lab 8, all-reduce algorithms: the exercises' checkers.
+"""Lab 8, all-reduce algorithms: timing side by side, and the exercises' checkers.
 
 The algorithms are in :mod:`labsupport.comm.allreduce` (with :func:`bytes_sent`, the
 exact count), their alpha-beta costs in :mod:`labsupport.comm.cost`, the timing in
@@ -7,27 +7,124 @@ exact count), their alpha-beta costs in :mod:`labsupport.comm.cost`, the timing 
 
 from __future__ import annotations
 
+import math
+
+import torch
+import torch.distributed as dist
+
+from labsupport.comm.allreduce import all_reduce
 from labsupport.comm.cost import all_reduce_time
+from labsupport.labs.cells import exercise
+from labsupport.launch.runtime import device
+from labsupport.measure.timing import side_by_side
 
 
-def check_ring_bytes(fn) -> None:
-    """Exercise (lab 8): ``fn(nbytes, world_size)`` must give the bytes each rank sends
-    in a ring all-reduce of ``nbytes``, for sizes that divide by the world size."""
+def all_reduces_side_by_side(cases: dict, rounds: int = 7) -> dict | None:
+    """Time several all-reduces in turns, round by round (run on every rank).
+
+    ``cases`` maps a label to ``(algorithm, nbytes, ranks)``: ``algorithm`` is one of
+    :data:`~labsupport.comm.allreduce.ALGORITHMS` or ``"torch"``, and the all-reduce of
+    ``nbytes`` runs on the first ``ranks`` ranks (a process group of its own; ``None``:
+    every rank). :func:`~labsupport.measure.timing.side_by_side` takes one sample of
+    each case per round, so a burst of load lands on all of them alike, and one call per
+    sample, so that every rank makes the same calls in the same order. Returns rank 0's
+    result (median seconds per label, and under ``"ratio"`` each label's median ratio to
+    the first label's time in the same round); ``None`` on the other ranks.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = {}
+    for _, _, ranks in cases.values():
+        if ranks is not None and ranks < world and ranks not in groups:
+            groups[ranks] = dist.new_group(list(range(ranks)))  # every rank must call it
+
+    def one(algorithm, nbytes, ranks):
+        group = groups.get(ranks)
+        member = ranks is None or rank < ranks
+        tensor = torch.zeros(max(1, nbytes // 4), device=device())  # zeros stay finite
+
+        def run():
+            if not member:
+                return
+            if algorithm == "torch":
+                dist.all_reduce(tensor, group=group)
+            else:
+                all_reduce(tensor, group=group, algorithm=algorithm)
+
+        return run
+
+    fns = {label: one(*case) for label, case in cases.items()}
+    result = side_by_side(fns, rounds=rounds, device=device(), min_sample_s=0)
+    return result if rank == 0 else None
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+@exercise
+def check_ring_bytes(fn) -> str:
+    """Exercise 1: ``fn(nbytes, world_size)`` must give the bytes each rank sends in a
+    ring all-reduce of ``nbytes``, for sizes that divide by the world size."""
     for world in (2, 3, 4, 8, 64):
         for nbytes in (world * 4, world * 4096, world * 10**6):
-            got, want = fn(nbytes, world), 2 * (world - 1) * nbytes // world
-            assert got == want, f"nbytes={nbytes}, world_size={world}: got {got}, expected {want}"
-    print("Correct: 2 (N-1)/N x S, whatever the number of ranks.")
+            got = _number(fn(nbytes, world), "a number of bytes")
+            want = 2 * (world - 1) * nbytes // world
+            if got == want:
+                continue
+            where = f"nbytes={nbytes:,}, world_size={world}: got {got:,.15g} bytes per rank, "
+            if got == want // 2:
+                hint = "which is one phase of the ring: it has two"
+            elif got == want * world:
+                hint = "as if every step sent the whole tensor: a step of the ring sends one chunk"
+            else:
+                side = "more" if got > want else "fewer"
+                hint = f"{side} than a ring all-reduce sends: count its steps and the bytes of one"
+            raise AssertionError(where + hint)
+    return "the bytes each rank sends in a ring all-reduce, on 2 to 64 ranks, 3 sizes each"
 
 
-def check_ring_time(fn) -> None:
-    """Exercise (lab 8): ``fn(nbytes, world_size, alpha, beta)`` must give the alpha-beta
-    time of a ring all-reduce."""
+@exercise
+def check_ring_time(fn) -> str:
+    """Exercise 2: ``fn(nbytes, world_size, alpha, beta)`` must give the alpha-beta time
+    of a ring all-reduce."""
+    alpha, beta = 1e-5, 1e-10
     for world in (2, 8, 1024):
         for nbytes in (4, 2**20, 2**30):
-            got = fn(nbytes, world, 1e-5, 1e-10)
-            want = float(all_reduce_time("ring", world, nbytes, 1e-5, 1e-10))
-            assert abs(got - want) <= 1e-9 * want, (
-                f"nbytes={nbytes}, world_size={world}: got {got:.6g} s, expected {want:.6g} s"
-            )
-    print("Correct: 2 (N-1) alpha + 2 (N-1)/N S beta.")
+            got = _number(fn(nbytes, world, alpha, beta), "a time in seconds")
+            want = float(all_reduce_time("ring", world, nbytes, alpha, beta))
+            if _close(got, want):
+                continue
+            where = f"nbytes={nbytes:,}, world_size={world}: got {got:.6g} s, "
+            side = "more" if got > want else "less"
+            # A time linear in alpha and beta splits into its latency part (beta = 0)
+            # and its bandwidth part (alpha = 0): say which one is off.
+            latency = _number(fn(nbytes, world, alpha, 0.0), "a time in seconds")
+            if not _close(latency, float(all_reduce_time("ring", world, nbytes, alpha, 0.0))):
+                hint = "the latency part (beta = 0) is off: how many messages, one after another?"
+            elif not _close(
+                _number(fn(nbytes, world, 0.0, beta), "a time in seconds"),
+                float(all_reduce_time("ring", world, nbytes, 0.0, beta)),
+            ):
+                hint = "the bandwidth part (alpha = 0) is off: how many bytes does a rank send?"
+            else:
+                hint = "the time should be the latency part plus the bandwidth part"
+            raise AssertionError(f"{where}{side} than the ring takes; {hint}")
+    return "the alpha-beta time of a ring all-reduce, on 2 to 1,024 ranks, from 4 B to 1 GiB"
+
+
+def _close(got: float, want: float) -> bool:
+    """Equal up to the rounding of a formula evaluated in another order.
+
+    The same formula computed in another order differs by a few float64 roundings
+    (unit roundoff 2^-53 = 1.1e-16 each, about ten operations): a relative 1e-12 leaves
+    a margin of 1000 over that, and is far below the smallest slip in the formula (one
+    step more or less on 1,024 ranks changes the time by 1/2046, 5e-4).
+    """
+    return math.isclose(got, want, rel_tol=1e-12, abs_tol=0.0)
+
+
+def _number(value, what: str) -> float:
+    """``value`` as a float, or an assertion that says what the function should return."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise AssertionError(f"your function returned {value!r}: it should return {what}") from None
