@@ -1,5 +1,7 @@
 """Lab 2, units: the formats table, what a cast to 16 bits does to gradients, the
-all-reduce in each dtype on real ranks, and the exercises' checkers."""
+all-reduce in each dtype on real ranks, and the exercises' checkers (each accepts the
+notebook's worked solution, rejects plausible mistakes and says "not attempted yet" for
+the stub)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,15 @@ import math
 
 import pytest
 import torch
+from notebook_solutions import solution, stub
 
 from labsupport import launch
 from labsupport.comm.allreduce import bytes_sent
 from labsupport.estimate.dtypes import FORMATS, dtype_bytes
 from labsupport.estimate.params import gpt_params
 from labsupport.labs import lab02_units
+
+LAB = "02-units.ipynb"
 
 
 def test_format_rows_hold_each_formats_range_and_precision():
@@ -48,6 +53,24 @@ def test_loss_scaling_rescues_logit_gradients():
     assert rows[2]["inf"] > 0  # too large a scale overflows
 
 
+def test_sweep_rows_do_not_move_with_the_last_bits_of_the_gradients():
+    # Two CPUs (AVX2, and no vector unit) computed these gradients a relative 1.1e-6 apart
+    # at most; the lab's table must not change for 100 times that, in either direction.
+    grads = lab02_units.tiny_gpt_gradients(vocab_size=4096, batch=8)["logits"]
+    powers = range(0, 33, 4)
+    rows = lab02_units.sweep_rows(lab02_units.loss_scale_sweep(grads, "fp16", powers))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        wiggle = 1 + 1e-4 * (2 * torch.rand(grads.shape, generator=gen) - 1)
+        moved = lab02_units.loss_scale_sweep(grads * wiggle, "fp16", powers)
+        assert lab02_units.sweep_rows(moved) == rows
+    for factor in (1 - 1e-4, 1 + 1e-4):
+        assert (
+            lab02_units.sweep_rows(lab02_units.loss_scale_sweep(grads * factor, "fp16", powers))
+            == rows
+        )
+
+
 def test_all_reduce_in_dtypes_on_real_ranks():
     world, numel = 3, 999
     results = launch(lab02_units.all_reduce_in_dtypes, world_size=world, kwargs={"numel": numel})
@@ -77,40 +100,51 @@ def test_all_reduce_in_dtypes_on_real_ranks():
 # --------------------------------------------------------------------------- exercises
 
 
-def test_check_untied_gpt_params():
-    lab02_units.check_untied_gpt_params(
-        lambda V, P, d, L: 2 * V * d + P * d + L * (12 * d * d + 2 * d) + d
-    )
-    with pytest.raises(AssertionError, match="GPT-2's formula"):
-        lab02_units.check_untied_gpt_params(gpt_params)
+def accepts(check, fn, capsys) -> None:
+    """``check`` passes ``fn`` and says so in one line."""
+    assert check(fn) is True
+    out = capsys.readouterr().out
+    assert out.startswith("Correct: ") and out.count("\n") == 1
+    return out
+
+
+def says_not_attempted(check, name, capsys) -> None:
+    assert check(stub(name)) is False
+    assert capsys.readouterr().out.startswith(f"Not attempted yet: write the body of {name}()")
+
+
+def test_check_untied_gpt_params(capsys):
+    check = lab02_units.check_untied_gpt_params
+    out = accepts(check, solution(LAB, "untied_gpt_params"), capsys)
+    assert "12" not in out and "d²" not in out  # no formula in the verdict
+    says_not_attempted(check, "untied_gpt_params", capsys)
+    with pytest.raises(AssertionError, match="GPT-2's count"):
+        check(gpt_params)
     with pytest.raises(AssertionError, match="second V x d"):
-        lab02_units.check_untied_gpt_params(
-            lambda V, P, d, L: V * d + P * d + L * (12 * d * d + 2 * d) + d
-        )
+        check(lambda V, P, d, L: V * d + P * d + L * (12 * d * d + 2 * d) + d)
+    with pytest.raises(AssertionError, match="no Linear or LayerNorm has a bias"):  # kept biases
+        check(lambda V, P, d, L: 2 * V * d + P * d + L * (12 * d * d + 13 * d) + 2 * d)
 
 
-def test_check_safe_loss_scale():
+def test_check_safe_loss_scale(capsys):
+    check = lab02_units.check_safe_loss_scale
+    out = accepts(check, solution(LAB, "safe_loss_scale"), capsys)
+    assert "65504" not in out and "log2" not in out
+    says_not_attempted(check, "safe_loss_scale", capsys)
     fp16_max = 65504.0
-    lab02_units.check_safe_loss_scale(
-        lambda g: 2.0 ** math.floor(math.log2(fp16_max / g.abs().max().item()))
-    )
-    with pytest.raises(AssertionError, match="the largest safe scale is"):
-        lab02_units.check_safe_loss_scale(lambda g: 2.0**16)
+    with pytest.raises(AssertionError, match="a larger one is too"):
+        check(lambda g: 2.0**16)
     with pytest.raises(AssertionError, match="power of two"):
-        lab02_units.check_safe_loss_scale(lambda g: fp16_max / g.abs().max().item())
+        check(lambda g: fp16_max / g.abs().max().item())
+    with pytest.raises(AssertionError, match="above 65504"):  # rounds up, not down
+        check(lambda g: 2.0 ** math.ceil(math.log2(fp16_max / g.abs().max().item())))
 
 
-def _decode(pattern, e_bits, m_bits):
-    s, e, m = pattern.split()
-    sign, exp, man = (-1) ** int(s), int(e, 2), int(m, 2)
-    bias = 2 ** (e_bits - 1) - 1
-    if exp == 0:
-        return sign * man / 2**m_bits * 2.0 ** (1 - bias)
-    return sign * (1 + man / 2**m_bits) * 2.0 ** (exp - bias)
-
-
-def test_check_decode():
-    lab02_units.check_decode(_decode)
+def test_check_decode(capsys):
+    check = lab02_units.check_decode
+    out = accepts(check, solution(LAB, "decode"), capsys)
+    assert "bias" not in out and "2^" not in out
+    says_not_attempted(check, "decode", capsys)
 
     def no_subnormals(pattern, e_bits, m_bits):
         s, e, m = pattern.split()
@@ -118,5 +152,21 @@ def test_check_decode():
         value = (1 + int(m, 2) / 2**m_bits) * 2.0 ** (int(e, 2) - bias)
         return (-1) ** int(s) * value
 
+    with pytest.raises(AssertionError, match="all-zeros exponent holds the subnormals"):
+        check(no_subnormals)
+
+    def bias_off_by_one(pattern, e_bits, m_bits):
+        s, e, m = pattern.split()
+        bias = 2 ** (e_bits - 1)
+        exponent = max(int(e, 2), 1) - bias
+        lead = 0 if int(e, 2) == 0 else 1
+        return (-1) ** int(s) * (lead + int(m, 2) / 2**m_bits) * 2.0**exponent
+
     with pytest.raises(AssertionError, match="stored value is"):
-        lab02_units.check_decode(no_subnormals)
+        check(bias_off_by_one)
+
+    def unsigned(pattern, e_bits, m_bits):
+        return abs(solution(LAB, "decode")(pattern, e_bits, m_bits))
+
+    with pytest.raises(AssertionError, match="got 1.5"):
+        check(unsigned)
