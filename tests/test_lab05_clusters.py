@@ -7,10 +7,28 @@ import math
 
 import numpy as np
 import pytest
+from notebook_solutions import solution, stub
 
 from labsupport.comm.cost import all_reduce_time, half_bandwidth_size
 from labsupport.estimate import datasheets
 from labsupport.labs import lab05_clusters
+
+LAB = "05-clusters.ipynb"
+
+
+def accepted_solution(check, name, capsys):
+    """The notebook's worked solution of ``name``, which ``check`` must accept."""
+    fn = solution(LAB, name)
+    assert check(fn) is True
+    assert capsys.readouterr().out.startswith("Correct:")
+    return fn
+
+
+def assert_not_attempted(check, name, capsys):
+    """The lab's stub is not an answer: the checker says so and returns False."""
+    capsys.readouterr()
+    assert check(stub(name)) is False
+    assert capsys.readouterr().out.startswith("Not attempted yet")
 
 
 def test_p2p_rows_report_time_bandwidth_and_model_ratio():
@@ -21,6 +39,15 @@ def test_p2p_rows_report_time_bandwidth_and_model_ratio():
     modelled = lab05_clusters.p2p_rows(results, alpha=50e-6, beta=1 / 2.9959e9)
     assert modelled[0]["model (µs)"] == "50.0" and modelled[0]["measured / model"] == "1.00"
     assert modelled[1]["measured / model"] == "1.00"
+
+
+def test_link_rows_quote_the_datasheet_and_give_one_direction():
+    rows = {r["link"]: r for r in lab05_clusters.link_rows()}
+    assert list(rows) == list(datasheets.LINKS)
+    assert rows["NVLink 4 (H100)"]["GB/s per direction"] == "450.0"
+    assert rows["InfiniBand NDR"]["GB/s per direction"] == "50.0"
+    assert rows["PCIe 4.0 x16"]["GB/s per direction"] == "31.5"
+    assert "bidirectional" in rows["NVLink 4 (H100)"]["datasheet says"]
 
 
 def test_the_lab_numbers_quoted_in_the_text_hold():
@@ -43,8 +70,7 @@ def test_the_lab_numbers_quoted_in_the_text_hold():
 
 
 def test_check_bytes_per_second_accepts_the_solution_and_explains_mistakes(capsys):
-    lab05_clusters.check_bytes_per_second(datasheets.per_direction)
-    assert "Correct" in capsys.readouterr().out
+    fn = accepted_solution(lab05_clusters.check_bytes_per_second, "bytes_per_second", capsys)
 
     def bits_as_bytes(value, unit):
         return value * 1e9 / (2 if unit == "GB/s bidirectional" else 1)
@@ -59,19 +85,26 @@ def test_check_bytes_per_second_accepts_the_solution_and_explains_mistakes(capsy
         lab05_clusters.check_bytes_per_second(both_directions)
 
     def in_gigabytes(value, unit):
-        return datasheets.per_direction(value, unit) / 1e9
+        return fn(value, unit) / 1e9
 
     with pytest.raises(AssertionError, match="not GB/s"):
         lab05_clusters.check_bytes_per_second(in_gigabytes)
 
+    def halves_ports_too(value, unit):
+        return value * 1e9 / (16 if unit == "Gb/s" else 2 if "bidirectional" in unit else 1)
+
+    with pytest.raises(AssertionError, match="already per direction"):
+        lab05_clusters.check_bytes_per_second(halves_ports_too)
+
+    assert_not_attempted(lab05_clusters.check_bytes_per_second, "bytes_per_second", capsys)
+
 
 def test_check_min_bucket_bytes_accepts_the_solution_and_rejects_mistakes(capsys):
-    def solution(world_size, alpha, beta, latency_share):
-        return world_size * alpha * (1 - latency_share) / (latency_share * beta)
-
-    lab05_clusters.check_min_bucket_bytes(solution)
-    assert "Correct" in capsys.readouterr().out
-    assert solution(64, datasheets.ASSUMED_ALPHA, 1 / 50e9, 0.1) == pytest.approx(144e6)
+    fn = accepted_solution(lab05_clusters.check_min_bucket_bytes, "min_bucket_bytes", capsys)
+    # the number the worked solution quotes for the 64-node NDR cluster
+    assert fn(64, datasheets.ASSUMED_ALPHA, datasheets.beta("InfiniBand NDR"), 0.1) == (
+        pytest.approx(144e6)
+    )
 
     def forgets_one_minus_f(world_size, alpha, beta, latency_share):
         return world_size * alpha / (latency_share * beta)
@@ -79,25 +112,51 @@ def test_check_min_bucket_bytes_accepts_the_solution_and_rejects_mistakes(capsys
     with pytest.raises(AssertionError, match="latency part is"):
         lab05_clusters.check_min_bucket_bytes(forgets_one_minus_f)
 
+    def forgets_the_world_size(world_size, alpha, beta, latency_share):
+        return alpha * (1 - latency_share) / (latency_share * beta)
+
+    with pytest.raises(AssertionError, match="latency part is"):
+        lab05_clusters.check_min_bucket_bytes(forgets_the_world_size)
+
     def negative(world_size, alpha, beta, latency_share):
         return -1.0
 
     with pytest.raises(AssertionError, match="must be positive"):
         lab05_clusters.check_min_bucket_bytes(negative)
 
+    assert_not_attempted(lab05_clusters.check_min_bucket_bytes, "min_bucket_bytes", capsys)
+
 
 def test_check_hierarchical_all_reduce_accepts_the_solution_and_rejects_mistakes(capsys):
-    def solution(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter):
-        inside = all_reduce_time("ring", gpus_per_node, nbytes, alpha, beta_intra)
-        across = all_reduce_time("ring", nodes, nbytes / gpus_per_node, alpha, beta_inter)
-        return inside + across
-
-    lab05_clusters.check_hierarchical_all_reduce(solution)
-    assert "Correct" in capsys.readouterr().out
+    fn = accepted_solution(
+        lab05_clusters.check_hierarchical_all_reduce, "two_level_all_reduce_time", capsys
+    )
 
     def whole_tensor_across(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter):
         inside = all_reduce_time("ring", gpus_per_node, nbytes, alpha, beta_intra)
         return inside + all_reduce_time("ring", nodes, nbytes, alpha, beta_inter)
 
-    with pytest.raises(AssertionError, match="expected"):
+    with pytest.raises(AssertionError, match="one shard"):
         lab05_clusters.check_hierarchical_all_reduce(whole_tensor_across)
+
+    def flat_ring(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter):
+        return all_reduce_time("ring", nodes * gpus_per_node, nbytes, alpha, beta_inter)
+
+    with pytest.raises(AssertionError, match="flat ring"):
+        lab05_clusters.check_hierarchical_all_reduce(flat_ring)
+
+    def swapped_links(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter):
+        return fn(nbytes, nodes, gpus_per_node, alpha, beta_inter, beta_intra)
+
+    with pytest.raises(AssertionError, match="NVLink carries"):
+        lab05_clusters.check_hierarchical_all_reduce(swapped_links)
+
+    def across_only(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter):
+        return all_reduce_time("ring", nodes, nbytes / gpus_per_node, alpha, beta_inter)
+
+    with pytest.raises(AssertionError, match="add up"):
+        lab05_clusters.check_hierarchical_all_reduce(across_only)
+
+    assert_not_attempted(
+        lab05_clusters.check_hierarchical_all_reduce, "two_level_all_reduce_time", capsys
+    )

@@ -13,6 +13,7 @@ import math
 from labsupport.comm.cost import all_reduce_time, hierarchical_all_reduce_time, p2p_time
 from labsupport.estimate import datasheets
 from labsupport.estimate.units import format_bytes
+from labsupport.labs.cells import exercise
 
 
 def p2p_rows(results: list[dict], alpha: float | None = None, beta: float | None = None):
@@ -36,32 +37,60 @@ def p2p_rows(results: list[dict], alpha: float | None = None, beta: float | None
     return rows
 
 
+def link_rows() -> list[dict]:
+    """Rows for :func:`labsupport.labs.cells.format_table`: each datasheet link, what its
+    datasheet says, and the bytes per second in one direction the model uses."""
+    return [
+        {
+            "link": link["name"],
+            "datasheet says": link["datasheet"],
+            "GB/s per direction": f"{link['gb_per_s']:.1f}",
+        }
+        for link in datasheets.LINKS.values()
+    ]
+
+
 # --------------------------------------------------------------------------- exercises
 
 
-def check_bytes_per_second(fn) -> None:
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9)
+
+
+@exercise
+def check_bytes_per_second(fn) -> str:
     """Exercise 1: ``fn(value, unit)`` must give bytes per second in one direction."""
     cases = [
-        (400, "Gb/s"), (100, "Gb/s"), (800, "Gb/s"),
-        (900, "GB/s bidirectional"), (1800, "GB/s bidirectional"), (64, "GB/s bidirectional"),
-        (50, "GB/s"), (12.5, "GB/s"),
-    ]  # fmt: skip
+        (400, "Gb/s"),
+        (100, "Gb/s"),
+        (800, "Gb/s"),
+        (900, "GB/s bidirectional"),
+        (1800, "GB/s bidirectional"),
+        (64, "GB/s bidirectional"),
+        (50, "GB/s"),
+        (12.5, "GB/s"),
+    ]
     for value, unit in cases:
-        got, want = fn(value, unit), datasheets.per_direction(value, unit)
-        hint = ""
-        if unit == "Gb/s" and math.isclose(got, value * 1e9):
-            hint = " (Gb/s counts bits: 8 bits make a byte)"
-        elif unit == "GB/s bidirectional" and math.isclose(got, value * 1e9):
-            hint = " (a bidirectional total counts both directions; one message uses one)"
-        elif math.isclose(got, want / 1e9):
-            hint = " (the answer is in bytes per second, not GB/s)"
-        assert math.isclose(got, want, rel_tol=1e-9), (
-            f"{value} {unit}: got {got!r} bytes/s, expected {want:.4g}{hint}"
-        )
-    print("Correct: 400 Gb/s = 50 GB/s per direction; NVLink's 900 GB/s = 450 GB/s each way.")
+        got, want = float(fn(value, unit)), datasheets.per_direction(value, unit)
+        if _close(got, want):
+            continue
+        hint = "check the prefix (giga = 10^9) and whether the figure counts bits or bytes"
+        if _close(got, want / 1e9):
+            hint = "the answer is in bytes per second, not GB/s"
+        elif unit == "Gb/s" and _close(got, value * 1e9):
+            hint = "Gb/s counts bits: 8 bits make a byte"
+        elif unit == "Gb/s" and _close(got, value * 1e9 / 16):
+            hint = "a port's Gb/s is already per direction"
+        elif unit == "GB/s bidirectional" and _close(got, value * 1e9):
+            hint = "a bidirectional total counts both directions; one message uses one"
+        elif unit != "Gb/s" and _close(got, value * 1e9 / 8):
+            hint = "GB/s, with a capital B, is already bytes"
+        raise AssertionError(f"{value} {unit}: got {got:.6g} bytes/s; {hint}")
+    return "8 datasheet figures in Gb/s, GB/s and bidirectional GB/s, in bytes/s each way"
 
 
-def check_min_bucket_bytes(fn) -> None:
+@exercise
+def check_min_bucket_bytes(fn) -> str:
     """Exercise 2: ``fn(world_size, alpha, beta, latency_share)``, the smallest bucket.
 
     Checked against the model itself: at the returned size, the latency part of
@@ -90,10 +119,11 @@ def check_min_bucket_bytes(fn) -> None:
             f"not {share:.0%} (latency part 2(N-1)α, bandwidth part 2(N-1)/N·n·β)"
         )
         assert latency_share(0.99 * size) > share, f"{label}: a smaller bucket also qualifies"
-    print("Correct: n = N·α·(1 - f) / (f·β); below it, latency takes more than f of the time.")
+    return "the size at which latency is the asked share of a ring all-reduce, on 2 to 512 ranks"
 
 
-def check_hierarchical_all_reduce(fn) -> None:
+@exercise
+def check_hierarchical_all_reduce(fn) -> str:
     """Exercise 3: ``fn(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter)``."""
     nvlink, ndr = datasheets.beta("NVLink 4 (H100)"), datasheets.beta("InfiniBand NDR")
     cases = [
@@ -103,10 +133,26 @@ def check_hierarchical_all_reduce(fn) -> None:
         (10**9, 1, 8, datasheets.ASSUMED_ALPHA, nvlink, ndr),
         (10**9, 16, 1, datasheets.ASSUMED_ALPHA, nvlink, ndr),
     ]
-    for case in cases:
-        got, want = float(fn(*case)), float(hierarchical_all_reduce_time(*case))
-        assert math.isclose(got, want, rel_tol=1e-9), (
-            f"nbytes={case[0]:g}, nodes={case[1]}, gpus_per_node={case[2]}: got {got:.6g} s, "
-            f"expected {want:.6g} s"
+    for nbytes, nodes, gpus, alpha, intra, inter in cases:
+        got = float(fn(nbytes, nodes, gpus, alpha, intra, inter))
+
+        def two_level(inside_beta, across_beta, case=(nbytes, nodes, gpus, alpha)):
+            return float(hierarchical_all_reduce_time(*case, inside_beta, across_beta))
+
+        if _close(got, two_level(intra, inter)):
+            continue
+        inside = float(all_reduce_time("ring", gpus, nbytes, alpha, intra))
+        across = float(all_reduce_time("ring", nodes, nbytes / gpus, alpha, inter))
+        hint = "compare your sum with the three steps of the statement"
+        if _close(got, inside + float(all_reduce_time("ring", nodes, nbytes, alpha, inter))):
+            hint = "each rail carries one shard across the nodes, not the whole tensor"
+        elif _close(got, float(all_reduce_time("ring", nodes * gpus, nbytes, alpha, inter))):
+            hint = "that is the flat ring through every GPU"
+        elif _close(got, inside) or _close(got, across):
+            hint = "the time inside the nodes and the time across them add up"
+        elif _close(got, two_level(inter, intra)):
+            hint = "NVLink carries the steps inside a node, the network the step across"
+        raise AssertionError(
+            f"nbytes={nbytes:g}, nodes={nodes}, gpus_per_node={gpus}: got {got:.6g} s; {hint}"
         )
-    print("Correct: a ring all-reduce inside the node plus one ring per rail across nodes.")
+    return "two-level all-reduce times on 5 clusters, one node and one GPU per node included"
