@@ -1,13 +1,18 @@
-"""Lab 6, launching: what each rank sees, a ring pass, a ping-pong, and the exercises'
-checkers, on real ranks. (torchrun itself is tested in tests/test_run.py.)"""
+"""Lab 6, launching: what each rank sees, ranks at work, a ring pass, a failure, launch
+costs, and the exercises' checkers, on real ranks. (torchrun itself is tested in
+tests/test_run.py.)"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
+from notebook_solutions import solution, stub
 
 from labsupport import LaunchError, launch
 from labsupport.labs import lab06_launching
+
+LAB = "06-launching.ipynb"
 
 
 def test_global_rank_fills_node_zero_first():
@@ -31,14 +36,26 @@ def test_world_info_and_ring_pass_on_three_ranks():
     assert [(r["sent_to"], r["received_from"]) for r in ring] == [(1, 2), (2, 0), (0, 1)]
 
 
-def test_ping_pong_times_a_round_trip_on_rank_zero_only():
-    small, other, idle = launch(lab06_launching.ping_pong, 3, kwargs={"rounds": 5}, timeout=60)
-    # A 4-byte round trip between two processes of one machine takes tens of
-    # microseconds; a second is far beyond what any load makes of it, and would catch a
-    # time reported in the wrong unit (milliseconds or microseconds).
-    assert 0 < small < 1 and other is None and idle is None
-    with pytest.raises(LaunchError, match="at least 2 ranks"):
-        launch(lab06_launching.ping_pong, 1, timeout=60)
+def test_ring_pass_on_two_ranks_where_both_neighbours_are_one_rank():
+    ring = launch(lab06_launching.ring_pass, 2, timeout=60)
+    assert [(r["sent_to"], r["received_from"], r["received"]) for r in ring] == [
+        (1, 1, 1),
+        (0, 0, 0),
+    ]
+
+
+def test_uneven_steps_prints_the_same_lines_and_the_fast_rank_waits(capsys):
+    work = launch(lab06_launching.uneven_steps, 2, kwargs={"steps": 5, "step_s": 0.05})
+    assert [w["rank"] for w in work] == [0, 1]
+    # sleeps last at least their duration: rank 1 works 5 x 50 ms more than rank 0,
+    # and rank 0 waits for it in the all-reduce
+    assert work[0]["worked_s"] >= 0.25 and work[1]["worked_s"] >= 0.5
+    assert work[0]["waited_s"] > work[1]["waited_s"]
+    out = capsys.readouterr().out  # outside Jupyter, lines are printed as they come
+    for rank, ms in ((0, 50), (1, 100)):
+        assert f"[rank {rank}] 5 steps of {ms} ms each" in out
+        assert f"[rank {rank}] steps |########################| 5/5" in out
+        assert f"[rank {rank}] all_reduce done: 2 ranks took part" in out
 
 
 def test_failing_step_fails_on_the_bad_rank_only():
@@ -48,29 +65,76 @@ def test_failing_step_fails_on_the_bad_rank_only():
     assert launch(lab06_launching.failing_step, 2, kwargs={"bad_rank": 5}, timeout=60) == [1.0] * 2
 
 
+def test_launch_costs_times_both_launchers_in_turns(monkeypatch):
+    calls = []
+    monkeypatch.setattr(lab06_launching, "launch", lambda fn, world_size: calls.append("launch"))
+    monkeypatch.setattr(
+        lab06_launching, "torchrun_nodes", lambda target, n, k: calls.append(("torchrun", target))
+    )
+    costs = lab06_launching.launch_costs(rounds=3, world_size=2)
+    target = ("torchrun", "labsupport.labs.lab06_launching:all_reduce_ranks")
+    assert calls == ["launch", target, target, "launch", "launch", target]
+    assert len(costs["launch"]) == len(costs["torchrun"]) == 3 and costs["ratio"] > 0
+
+
 # --------------------------------------------------------------------------- exercises
 
 
-def test_the_exercise_checkers_accept_solutions_and_reject_mistakes(capsys):
-    lab06_launching.check_global_rank(lambda node, local, n: node * n + local)
-    with pytest.raises(AssertionError, match="torchrun gives rank"):
+def test_check_global_rank_accepts_the_solution_and_rejects_mistakes(capsys):
+    fn = solution(LAB, "my_global_rank")
+    assert lab06_launching.check_global_rank(fn) is True
+    assert capsys.readouterr().out.startswith("Correct:")
+    with pytest.raises(AssertionError, match="torchrun gives this process another rank"):
         lab06_launching.check_global_rank(lambda node, local, n: local * n + node)
+    with pytest.raises(AssertionError, match="the rank of node_rank=0, local_rank=1"):
+        lab06_launching.check_global_rank(lambda node, local, n: node + local)
+    with pytest.raises(AssertionError, match="a rank is an int"):
+        lab06_launching.check_global_rank(lambda node, local, n: float(node * n + local))
+    assert lab06_launching.check_global_rank(stub("my_global_rank")) is False
+    assert "Not attempted yet" in capsys.readouterr().out
 
-    def ring_sum():  # rank 0 collects the total passed around the ring
-        import torch
 
+def ring_with(first=0, own=1, extra=0, closes=True):
+    """A ring sum with a learner's mistake: rank 0 starts from ``first``, each rank adds
+    ``own`` times its rank plus ``extra``; unless ``closes``, the last rank does not send
+    back to rank 0. (The defaults are right.)"""
+
+    def ring_sum():
         rank, world = dist.get_rank(), dist.get_world_size()
-        total = torch.zeros(1)
+        total = torch.zeros(1) + (first if rank == 0 else 0)
         if rank == 0:
             dist.send(total, dst=1)
             dist.recv(total, src=world - 1)
         else:
             dist.recv(total, src=rank - 1)
-            total += rank
-            dist.send(total, dst=(rank + 1) % world)
+            total += own * rank + extra
+            if closes or rank < world - 1:
+                dist.send(total, dst=(rank + 1) % world)
         return int(total.item())
 
-    lab06_launching.check_ring_sum(ring_sum, world_sizes=(2, 3))
-    assert capsys.readouterr().out.count("Correct") == 2
+    return ring_sum
+
+
+def everyone_receives_first():  # every rank waits for a message: nobody sends
+    total = torch.zeros(1)
+    dist.recv(total, src=(dist.get_rank() - 1) % dist.get_world_size())
+    return int(total.item())
+
+
+def test_check_ring_sum_accepts_the_solution_and_rejects_mistakes(capsys):
+    fn = solution(LAB, "ring_sum")
+    assert lab06_launching.check_ring_sum(fn, world_sizes=(2, 3)) is True
+    assert capsys.readouterr().out.endswith(
+        "Correct: rank 0 gets the sum of the ranks at world sizes 2, 3\n"
+    )
     with pytest.raises(AssertionError, match="world_size=3: rank 0 returned 0, expected 3"):
-        lab06_launching.check_ring_sum(lambda: 0, world_sizes=(3,))
+        lab06_launching.check_ring_sum(ring_with(own=0), world_sizes=(3,))
+    with pytest.raises(AssertionError, match="world_size=2: rank 0 returned 3, expected 1"):
+        lab06_launching.check_ring_sum(ring_with(first=1, extra=1), world_sizes=(2,))
+    with pytest.raises(AssertionError, match="the ranks did not all finish"):
+        lab06_launching.check_ring_sum(ring_with(closes=False), world_sizes=(2,))
+    with pytest.raises(AssertionError, match="the ranks did not all finish") as info:
+        lab06_launching.check_ring_sum(everyone_receives_first, world_sizes=(2,), timeout=10)
+    assert "timed out after 10 s" in str(info.value)
+    assert lab06_launching.check_ring_sum(stub("ring_sum"), world_sizes=(2,)) is False
+    assert "Not attempted yet" in capsys.readouterr().out

@@ -1,9 +1,10 @@
-"""Lab 6, launching: what each rank sees, a first send/recv, a failure, and torchrun.
+"""Lab 6, launching: what each rank sees, ranks at work, a first send and receive, a
+failure, torchrun, what a launch costs, and the exercises' checkers.
 
-Each function runs on every rank of an initialised process group, under
-:func:`labsupport.launch` or ``torchrun -m labsupport.run`` alike. The environment they
-read is the one torchrun documents:
-https://pytorch.org/docs/stable/elastic/run.html#environment-variables
+Each rank function runs on every rank of an initialised process group, under
+:func:`labsupport.launch` or ``torchrun -m labsupport.run`` alike, and puts its tensors
+on :func:`labsupport.launch.runtime.device`. The environment they read is the one
+torchrun documents: https://pytorch.org/docs/stable/elastic/run.html#environment-variables
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,8 +23,10 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from labsupport.comm.measure import measure_p2p
+from labsupport.labs.cells import exercise
+from labsupport.launch.errors import LaunchError
 from labsupport.launch.launcher import launch
+from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 
 
@@ -66,15 +70,25 @@ def ring_pass() -> dict:
     return {"sent_to": right, "received_from": left, "received": int(incoming.item())}
 
 
-def ping_pong(num_bytes: int = 4, rounds: int = 50) -> float | None:
-    """Round-trip time between ranks 0 and 1: rank 0 sends, rank 1 echoes back.
+def uneven_steps(steps: int = 40, step_s: float = 0.01) -> dict:
+    """Rank r works through ``steps`` steps of (r + 1) x ``step_s`` seconds each, then
+    every rank meets in one all-reduce, where the faster ranks wait for the slowest.
 
-    Returns the median round trip in seconds on rank 0, ``None`` elsewhere. Ranks other
-    than 0 and 1 take no part. (Chapter 5's :func:`labsupport.comm.measure.measure_p2p`
-    does the same over many sizes and reports one-way times.)
+    The loop reports to the launcher through :func:`labsupport.launch.progress.progress`
+    (a live bar per rank). Returns the seconds this rank worked and waited.
     """
-    results = measure_p2p([num_bytes], rounds=rounds, warmup=1)
-    return 2 * results[0]["seconds"] if results is not None else None
+    rank = dist.get_rank()
+    print(f"{steps} steps of {(rank + 1) * step_s * 1e3:.0f} ms each")
+    start = time.perf_counter()
+    for _ in progress(range(steps), "steps"):
+        time.sleep((rank + 1) * step_s)  # stands in for a training step
+    worked = time.perf_counter() - start
+    print("done; waiting for the others in all_reduce")
+    ranks = torch.ones(1, device=device())
+    dist.all_reduce(ranks)
+    count = int(ranks.item())  # .item() waits for the all-reduce, on a GPU too
+    print(f"all_reduce done: {count} ranks took part")
+    return {"rank": rank, "worked_s": worked, "waited_s": time.perf_counter() - start - worked}
 
 
 def failing_step(bad_rank: int = 2) -> float:
@@ -189,31 +203,73 @@ def _kill_trees(nodes: list[subprocess.Popen]) -> None:
         node.wait()
 
 
+def launch_costs(rounds: int = 2, world_size: int = 4) -> dict:
+    """Seconds to run :func:`all_reduce_ranks` on ``world_size`` ranks with
+    :func:`launch` and with a one-node torchrun, timed in turns.
+
+    Each round runs both, in alternating order, so that load from elsewhere slows both
+    alike. Returns the times of each per round, and under ``"ratio"`` the median over
+    the rounds of torchrun's time over launch's in the same round.
+    """
+    runs = {
+        "launch": lambda: launch(all_reduce_ranks, world_size=world_size),
+        "torchrun": lambda: torchrun_nodes(f"{__name__}:all_reduce_ranks", 1, world_size),
+    }
+    times = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in list(runs)[:: 1 if r % 2 == 0 else -1]:
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    pairs = zip(times["torchrun"], times["launch"], strict=True)
+    return {**times, "ratio": statistics.median(t / w for t, w in pairs)}
+
+
 # --------------------------------------------------------------------------- exercises
 
 
-def check_global_rank(fn) -> None:
+@exercise
+def check_global_rank(fn) -> str:
     """Exercise 1: ``fn(node_rank, local_rank, nproc_per_node)`` must give torchrun's rank."""
     for nproc in (1, 2, 4, 8):
+        ranks = {}
         for node in range(4):
             for local in range(nproc):
-                got, want = fn(node, local, nproc), global_rank(node, local, nproc)
-                assert got == want, (
-                    f"node_rank={node}, local_rank={local}, nproc_per_node={nproc}: "
-                    f"got {got}, torchrun gives rank {want}"
+                got = fn(node, local, nproc)
+                case = f"node_rank={node}, local_rank={local}, nproc_per_node={nproc}"
+                assert isinstance(got, int), f"{case}: got {got!r}, a rank is an int"
+                assert got not in ranks, f"{case}: got {got}, the rank of {ranks.get(got)} too"
+                ranks[got] = case
+                assert got == global_rank(node, local, nproc), (
+                    f"{case}: got {got}, but torchrun gives this process another rank "
+                    "(which processes does it number first?)"
                 )
-    print("Correct: ranks fill node 0 first, then node 1, ...")
+    return "the rank of every process of 4 nodes with 1, 2, 4 or 8 processes each"
 
 
-def check_ring_sum(fn, world_sizes=(2, 3, 4)) -> None:
+@exercise
+def check_ring_sum(fn, world_sizes=(2, 3, 4), timeout: float = 30) -> str:
     """Exercise 2: ``fn()`` on every rank; rank 0 must return the sum of all ranks.
 
     Runs ``fn`` with :func:`labsupport.launch` at several world sizes (odd ones too).
+    Ranks that wait forever (stopped after ``timeout`` seconds) or lose contact because
+    a peer returned early are a wrong answer, reported as such.
     """
     for world in world_sizes:
-        results = launch(fn, world_size=world, timeout=60)
+        try:
+            results = launch(fn, world_size=world, timeout=timeout)
+        except LaunchError as exc:
+            if exc.root_rank is not None:
+                raise  # a rank failed on its own: its traceback says why
+            raise AssertionError(
+                f"world_size={world}: the ranks did not all finish. A rank waited for a "
+                "message that no rank sent, or from a rank that had already returned: does "
+                f"every send have its recv, and every recv its send?\n{exc}"
+            ) from None
         want = world * (world - 1) // 2
+        hint = " (does each rank add its own rank before passing the total on?)"
         assert results[0] == want, (
-            f"world_size={world}: rank 0 returned {results[0]!r}, expected {want}"
+            f"world_size={world}: rank 0 returned {results[0]!r}, expected {want} "
+            f"(0 + ... + {world - 1}){hint if results[0] in (0, None) else ''}"
         )
-    print(f"Correct for world sizes {', '.join(map(str, world_sizes))}.")
+    return f"rank 0 gets the sum of the ranks at world sizes {', '.join(map(str, world_sizes))}"
