@@ -14,7 +14,9 @@
 * :mod:`~labsupport.parallel.parallel_state` and :mod:`~labsupport.parallel.hybrid`: the
   mesh of tensor-, pipeline- and data-parallel groups, and the GPT trained 3D (chapter 13);
 * :mod:`~labsupport.parallel.zero`: ZeRO stages 1, 2 and 3 from scratch, flat buffers
-  sharded over the data-parallel ranks (chapter 14).
+  sharded over the data-parallel ranks (chapter 14);
+* :mod:`~labsupport.parallel.checkpoint`: sharded checkpoints with
+  ``torch.distributed.checkpoint`` that resume exactly and reshard (chapter 16).
 
 Each runs unchanged under :func:`labsupport.launch` and under ``torchrun``, on gloo or
 NCCL, takes an explicit ``group=`` where a process group matters, and is checked in the

@@ -1,0 +1,112 @@
+"""Checkpoints of distributed training: everything needed to resume exactly, sharded.
+
+Written with ``torch.distributed.checkpoint`` (DCP): every rank writes its own part, in
+parallel, and a checkpoint written by ``N`` ranks can be loaded by ``M``. DCP's rule for
+what belongs to whom is the trap: a plain tensor saved under one key by every rank is
+taken as *replicated*, and only one rank's copy is written. That is right for DDP's
+parameters, which are the same everywhere, and silently wrong for anything that differs
+between ranks. So:
+
+* a ZeRO shard is saved as a ``DTensor`` (``Shard(0)`` of the flat, unpadded parameters
+  over the data-parallel ranks): DCP stores every rank's piece and can cut the whole into
+  different pieces on load (:func:`zero_state`, :func:`restore_zero`);
+* what is truly per-rank (random-number generator states) goes under per-rank keys
+  (:func:`rng_state`).
+
+A checkpoint holds the model, the optimizer's state, the step (from which the
+learning-rate schedule and the data position follow) and every rank's RNG states: resumed,
+the run continues as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from labsupport.launch.runtime import device
+
+
+def save(state: dict, path: str, group=None) -> None:
+    """Write ``state`` (every rank calls it) to the folder ``path``."""
+    dcp.save(state, checkpoint_id=path, process_group=group)
+
+
+def load(state: dict, path: str, group=None) -> None:
+    """Fill ``state``'s tensors in place from the checkpoint in ``path`` (every rank)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint at {path}: nothing was saved there")
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise RuntimeError(
+            f"the checkpoint at {path} is incomplete (no .metadata): the run was probably "
+            "stopped while saving it; resume from the checkpoint before it"
+        )
+    try:
+        dcp.load(state, checkpoint_id=path, process_group=group)
+    except (Exception, CheckpointException) as exc:  # CheckpointException: a BaseException
+        causes = getattr(exc, "failures", {0: exc})
+        first = next(iter(causes.values()))
+        why = f"{type(first).__name__}: {str(first).splitlines()[0][:200]}"
+        raise RuntimeError(
+            f"the checkpoint at {path} cannot be read ({why}): a file of it is damaged or "
+            "was written by another program; resume from another checkpoint"
+        ) from None
+
+
+def rng_state(group=None) -> dict:
+    """This rank's random-number generators, under a key of its own: ``rank{r}``."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and device().type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device())
+    return {f"rank{dist.get_rank(group)}": states}
+
+
+def set_rng_state(state: dict, group=None) -> None:
+    mine = state[f"rank{dist.get_rank(group)}"]
+    torch.set_rng_state(mine["cpu"])
+    if "cuda" in mine:
+        torch.cuda.set_rng_state(mine["cuda"], device())
+
+
+def _mesh(group) -> DeviceMesh:
+    return DeviceMesh.from_group(group or dist.group.WORLD, device().type)
+
+
+def _sharded(flat_shard: torch.Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
+    """This rank's shard of a flat buffer as a piece of the unpadded whole: the padding
+    (at the end of the last ranks' shards) is not saved."""
+    n, rank = flat_shard.numel(), mesh.get_local_rank()
+    real = max(0, min(n, numel - rank * n))
+    return DTensor.from_local(flat_shard[:real], mesh, [Shard(0)], shape=(numel,), stride=(1,))
+
+
+def zero_state(zero, group=None) -> dict:
+    """The ZeRO model and optimizer states as DTensors over the data-parallel ranks
+    (views of the shards: loading into them restores the shards in place)."""
+    mesh, state = _mesh(group), {}
+    for i, (_, unit) in enumerate(zero.units):
+        numel = unit.offsets[-1][1]
+        adam = zero.optimizer.state[unit.shard]
+        if not adam:  # Adam creates its state at the first step; make it to load into it
+            adam.update(step=torch.zeros(()), exp_avg=torch.zeros_like(unit.shard),
+                        exp_avg_sq=torch.zeros_like(unit.shard))  # fmt: skip
+        state[f"unit{i}"] = {
+            "parameters": _sharded(unit.shard.data, numel, mesh),
+            "exp_avg": _sharded(adam["exp_avg"], numel, mesh),
+            "exp_avg_sq": _sharded(adam["exp_avg_sq"], numel, mesh),
+            "adam_step": adam["step"],
+        }
+    return state
+
+
+def restore_zero(zero) -> None:
+    """After :func:`load` into :func:`zero_state`'s tensors: rebuild the full parameters
+    (stages 1 and 2 keep them; stage 3 gathers before each use anyway)."""
+    if zero.stage < 3:
+        for _, unit in zero.units:
+            unit.gather()
