@@ -54,6 +54,10 @@ def link_rows() -> list[dict]:
 
 
 def _close(a: float, b: float) -> bool:
+    """Equal up to the order of the operations: the answers are float64 formulas of a
+    dozen operations or fewer, each off by at most 2^-53 relative (1.1e-16), so two ways
+    of writing one differ by about 1e-15; every mistake the checkers name is off by 1e-3
+    or more. 1e-9 lies far from both."""
     return math.isclose(a, b, rel_tol=1e-9)
 
 
@@ -114,6 +118,8 @@ def check_min_bucket_bytes(fn) -> str:
             return float(latency / all_reduce_time("ring", world, s, alpha, beta))
 
         got = latency_share(size)
+        # float64 throughout: the share at an exact answer is off by about 1e-15; the
+        # smallest slip checked (a factor 1 - f or N) moves it by about a percent or more
         assert math.isclose(got, share, rel_tol=1e-6), (
             f"{label}: at {size:.6g} bytes the latency part is {got:.4%} of the all-reduce, "
             f"not {share:.0%} (latency part 2(N-1)α, bandwidth part 2(N-1)/N·n·β)"
