@@ -1,5 +1,6 @@
-"""Lab 1, hardware: the datasheet table, two ranks sharing memory bandwidth, and the
-exercises' checkers (each accepts the reference and rejects a common mistake)."""
+"""Lab 1, hardware: the datasheet table, the roofline's kernels timed side by side, two
+ranks sharing memory bandwidth, and the exercises' checkers (each accepts the notebook's
+worked solution, rejects plausible mistakes and says "not attempted yet" for the stub)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import itertools
 import math
 
 import pytest
+from notebook_solutions import solution, stub
 
 from labsupport import launch
-from labsupport.estimate.roofline import predicted_seconds, roofline
 from labsupport.estimate.units import MiB
 from labsupport.labs import lab01_hardware
+
+LAB = "01-hardware.ipynb"
 
 
 def test_datasheet_rows_show_ridge_points():
@@ -29,6 +32,19 @@ def test_min_tokens_worked_numbers():
     assert lab01_hardware.min_tokens_compute_bound(8192, 8192, 989e12, 3.35e12, 2) == 319
     # a 256 x 256 bf16 layer tops out at 2*256*256 / (2 * 512) = 128 FLOP/byte < 295
     assert lab01_hardware.min_tokens_compute_bound(256, 256, 989e12, 3.35e12, 2) is None
+
+
+def test_roofline_side_by_side_counts_and_ratios():
+    race = lab01_hardware.roofline_side_by_side("cpu", rounds=3)
+    add, copy, matmul = race["add"], race["copy"], race["matmul"]
+    assert (add["flops"], add["bytes"]) == (16 * 2**20, 12 * 16 * 2**20)
+    assert (copy["flops"], copy["bytes"]) == (0, 8 * 64 * 2**20)
+    assert (matmul["flops"], matmul["bytes"]) == (2 * 1024**3, 4 * 3 * 1024**2)
+    assert add["vs add"] == 1.0
+    assert all(k["seconds"] > 0 for k in race.values())
+    # what the lab asserts, on ratios measured in the same rounds: they hold under load
+    assert 0.5 < add["bytes"] / copy["bytes"] * copy["vs add"] < 2
+    assert add["flops"] / matmul["flops"] * matmul["vs add"] < 0.1
 
 
 class SteppingClock:
@@ -53,31 +69,58 @@ def test_shared_copy_bandwidth_reports_each_rank_alone_and_together():
     results = launch(copies_on_a_stepping_clock, 2, args=(nbytes, 3), timeout=120)
     moved = 2 * nbytes  # a copy reads and writes every byte
     assert results == [
-        {"rank": rank, "alone": moved / 2.0**-10, "together": moved / 2.0**-8} for rank in (0, 1)
+        {
+            "rank": rank,
+            "alone": moved / 2.0**-10,
+            "together": moved / 2.0**-8,
+            "together / alone": 0.25,
+        }
+        for rank in (0, 1)
     ]
 
 
 def test_shared_copy_bandwidth_runs_for_real():
     results = launch(
-        lab01_hardware.shared_copy_bandwidth, 2, kwargs={"nbytes": 16 * MiB, "rounds": 3},
+        lab01_hardware.shared_copy_bandwidth,
+        2,
+        kwargs={"nbytes": 16 * MiB, "rounds": 3},
         timeout=120,
-    )  # fmt: skip
-    assert [sorted(r) for r in results] == [["alone", "rank", "together"]] * 2
+    )
+    assert [sorted(r) for r in results] == [["alone", "rank", "together", "together / alone"]] * 2
     assert [r["rank"] for r in results] == [0, 1]
     assert all(math.isfinite(r["alone"]) and math.isfinite(r["together"]) for r in results)
 
 
-def test_checkers_accept_the_reference_and_reject_common_mistakes(capsys):
-    lab01_hardware.check_roofline(roofline)
-    lab01_hardware.check_min_tokens(lab01_hardware.min_tokens_compute_bound)
-    lab01_hardware.check_predicted_seconds(predicted_seconds)
-    assert capsys.readouterr().out.count("Correct") == 3
+# --------------------------------------------------------------------------- exercises
+
+
+def accepts(check, fn, capsys) -> None:
+    """``check`` passes ``fn`` and says so, without giving the answer away."""
+    assert check(fn) is True
+    out = capsys.readouterr().out
+    assert out.startswith("Correct: ") and out.count("\n") == 1
+    assert "min(" not in out and "max(" not in out
+
+
+def says_not_attempted(check, name, capsys) -> None:
+    assert check(stub(name)) is False
+    assert capsys.readouterr().out.startswith(f"Not attempted yet: write the body of {name}()")
+
+
+def test_check_roofline(capsys):
+    accepts(lab01_hardware.check_roofline, solution(LAB, "attainable"), capsys)
+    says_not_attempted(lab01_hardware.check_roofline, "attainable", capsys)
     with pytest.raises(AssertionError, match="compute roof caps"):
         lab01_hardware.check_roofline(lambda peak, bw, intensity: bw * intensity)
     with pytest.raises(AssertionError, match="memory bandwidth caps"):
         lab01_hardware.check_roofline(lambda peak, bw, intensity: peak)
-    with pytest.raises(AssertionError, match="take the longer"):
-        lab01_hardware.check_predicted_seconds(lambda f, b, peak, bw: f / peak + b / bw)
+    with pytest.raises(AssertionError, match="lower than the model allows"):  # the harmonic sum
+        lab01_hardware.check_roofline(lambda peak, bw, i: 1 / (1 / peak + 1 / (bw * i + 1e-300)))
+
+
+def test_check_min_tokens(capsys):
+    accepts(lab01_hardware.check_min_tokens, solution(LAB, "min_tokens"), capsys)
+    says_not_attempted(lab01_hardware.check_min_tokens, "min_tokens", capsys)
     with pytest.raises(AssertionError, match="below the ridge"):
         lab01_hardware.check_min_tokens(
             lambda d_in, d_out, peak, bw, s: math.ceil(peak / bw)  # the ridge, not tokens
@@ -88,3 +131,27 @@ def test_checkers_accept_the_reference_and_reject_common_mistakes(capsys):
 
     with pytest.raises(AssertionError, match="return None"):
         lab01_hardware.check_min_tokens(never_none)
+
+    def one_too_many(*args):  # rounds up past the boundary
+        b = lab01_hardware.min_tokens_compute_bound(*args)
+        return None if b is None else b + 1
+
+    with pytest.raises(AssertionError, match="is not the fewest"):
+        lab01_hardware.check_min_tokens(one_too_many)
+
+    def ignores_itemsize(d_in, d_out, peak, bw, itemsize):  # always 2 bytes per number
+        return lab01_hardware.min_tokens_compute_bound(d_in, d_out, peak, bw, 2)
+
+    with pytest.raises(AssertionError, match="4 bytes per number"):
+        lab01_hardware.check_min_tokens(ignores_itemsize)
+
+
+def test_check_predicted_seconds(capsys):
+    accepts(lab01_hardware.check_predicted_seconds, solution(LAB, "predicted_seconds"), capsys)
+    says_not_attempted(lab01_hardware.check_predicted_seconds, "predicted_seconds", capsys)
+    with pytest.raises(AssertionError, match="overlap"):
+        lab01_hardware.check_predicted_seconds(lambda f, b, peak, bw: f / peak + b / bw)
+    with pytest.raises(AssertionError, match="no less time than its arithmetic"):
+        lab01_hardware.check_predicted_seconds(lambda f, b, peak, bw: min(f / peak, b / bw))
+    with pytest.raises(AssertionError, match="got"):  # the bytes alone
+        lab01_hardware.check_predicted_seconds(lambda f, b, peak, bw: b / bw)
