@@ -1,6 +1,7 @@
-"""Lab 4, one device faster: gradient accumulation (one process and several), mixed
-precision, activation checkpointing and fusion, checked against PyTorch and against
-values worked out by hand; and the exercises' checkers."""
+"""Lab 4, one device faster: gradient accumulation (one process and several, and training
+on several ranks) and mixed precision, checked against PyTorch and against values worked
+out by hand; and the exercises' checkers against the notebook's worked solutions and
+wrong answers. Checkpointing and fusion: test_lab04_checkpointing, test_lab04_fusion."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import math
 
 import pytest
 import torch
+from notebook_solutions import solution, stub
 
 from labsupport import launch
 from labsupport.estimate.dtypes import FORMATS
-from labsupport.estimate.memory import checkpoint_peak_bytes, checkpoint_saved_bytes
 from labsupport.labs import lab04_one_device
-from labsupport.models import MLPStack, regression_data
+from labsupport.models import regression_data
+
+LAB = "04-one-device.ipynb"
 
 # --------------------------------------------------------------------------- accumulation
 
@@ -62,9 +65,46 @@ def test_accumulation_rejects_unequal_chunks():
 def test_data_parallel_gradient_equals_big_batch_on_every_rank(world_size):
     grads = launch(lab04_one_device.data_parallel_gradient, world_size, timeout=120)
     want = lab04_one_device.batch_gradient(lab04_one_device.make_mlp(), *regression_data(n=64))
+    tolerance = lab04_one_device.rounding_tolerance(want, 64)
     for grad in grads:
-        assert torch.allclose(grad, want, atol=1e-7)
+        assert (grad - want).abs().max() <= tolerance
     assert all(torch.equal(grads[0], g) for g in grads)
+
+
+def test_rounding_tolerance_is_terms_times_unit_roundoff_times_the_largest_value():
+    assert lab04_one_device.rounding_tolerance(torch.tensor([0.5, -2.0]), 64) == 64 * 2**-24 * 2
+    # two orders of one fp32 sum stay within it
+    values = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    forward, backward = values.sum(), values.flip(0).cumsum(0)[-1]
+    bound = lab04_one_device.rounding_tolerance(values.abs().sum().reshape(1), 4096)
+    assert (forward - backward).abs() <= bound
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_data_parallel_training_follows_one_process_on_the_whole_batch(world_size):
+    steps = 40
+    runs = launch(
+        lab04_one_device.data_parallel_training, world_size, kwargs={"steps": steps}, timeout=120
+    )
+    assert all(torch.equal(runs[0]["weights"], r["weights"]) for r in runs)
+    model = lab04_one_device.make_mlp()
+    x, y = regression_data(n=64)
+    first = lab04_one_device.batch_gradient(model, x, y)
+    losses = lab04_one_device.train(model, x, y, steps=steps)
+    step_tolerance = lab04_one_device.rounding_tolerance(first, 64)
+    tolerance = steps * lab04_one_device.TRAIN_LR * step_tolerance
+    assert (runs[0]["weights"] - lab04_one_device.flat_params(model)).abs().max() <= tolerance
+    assert runs[0]["losses"].shape == (steps,)
+    torch.testing.assert_close(runs[0]["losses"], torch.tensor(losses), rtol=1e-5, atol=0)
+    assert losses[-1] < losses[0]
+
+
+def test_data_parallel_training_shows_each_rank_s_progress(capsys):
+    launch(lab04_one_device.data_parallel_training, 2, kwargs={"steps": 5}, timeout=120)
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        assert f"[rank {rank}] 32 of the 64 samples, 5 steps of SGD" in out
+        assert f"[rank {rank}] train |{'#' * 24}| 5/5" in out
 
 
 # --------------------------------------------------------------------------- mixed precision
@@ -98,7 +138,13 @@ def test_matmul_seconds_times_fp32_against_bf16_autocast(monkeypatch):
 
     monkeypatch.setattr(lab04_one_device, "side_by_side", one_round)
     t = lab04_one_device.matmul_seconds(n=64, rounds=3)
-    assert t == {"fp32": 2.0, "bf16": 0.5, "speedup": 4.0, "flops": 2 * 64**3}
+    assert t == {
+        "fp32": 2.0,
+        "bf16": 0.5,
+        "speedup": 4.0,
+        "flops": 2 * 64**3,
+        "bf16_dtype": torch.bfloat16,
+    }
     assert outputs["fp32"].dtype == torch.float32 and outputs["fp32"].shape == (64, 64)
     assert outputs["bf16"].dtype == torch.bfloat16
     torch.testing.assert_close(outputs["bf16"].float(), outputs["fp32"], atol=0.5, rtol=0.05)
@@ -154,92 +200,7 @@ def test_largest_safe_scale():
     assert lab04_one_device.largest_safe_scale(2.0**-20) == 2.0**35
 
 
-# --------------------------------------------------------------------------- checkpointing
-
-
-@pytest.mark.parametrize("segment", [None, 1, 2, 3, 4])
-def test_saved_bytes_match_formula(segment):
-    stack, x = MLPStack(4, 16), torch.randn(8, 16)
-    assert lab04_one_device.saved_bytes(stack, x, segment) == checkpoint_saved_bytes(
-        4, 8, 16, segment
-    )
-
-
-def test_step_memory_near_chen_formula():
-    layers, batch, d = 8, 64, 32
-    stack, x = MLPStack(layers, d), torch.randn(batch, d)
-    unit = batch * d * 4
-    for segment in (None, 1, 2, 8):
-        m = lab04_one_device.step_memory(stack, x, segment)
-        assert m["after_forward"] == checkpoint_saved_bytes(layers, batch, d, segment)
-        excess = (m["peak"] - checkpoint_peak_bytes(layers, batch, d, segment)) / unit
-        assert 0 <= excess < 12, f"segment {segment}: peak exceeds the formula by {excess} units"
-
-
-def test_recompute_ratio_times_a_step_that_reruns_the_forward(monkeypatch):
-    """The timing itself is side_by_side's (tests/test_measure.py); here, that the
-    checkpointed step really runs each block's forward twice, for the same gradients."""
-    stack, x = MLPStack(4, 16), torch.randn(8, 16)
-    forwards = []
-    for block in stack.blocks:
-        block.register_forward_pre_hook(lambda *args: forwards.append(1))
-    seen = {}
-
-    def one_round(fns, rounds):
-        for name, fn in fns.items():
-            before = len(forwards)
-            fn()
-            seen[name] = (len(forwards) - before, [p.grad.clone() for p in stack.parameters()])
-        return {"plain": 2.0, "checkpointed": 3.0, "ratio": {"plain": 1.0, "checkpointed": 1.5}}
-
-    monkeypatch.setattr(lab04_one_device, "side_by_side", one_round)
-    assert lab04_one_device.recompute_ratio(stack, x, segment=2, rounds=3) == {
-        "plain": 2.0, "checkpointed": 3.0, "ratio": 1.5,
-    }  # fmt: skip
-    assert seen["plain"][0] == 4 and seen["checkpointed"][0] == 8
-    for plain, checkpointed in zip(seen["plain"][1], seen["checkpointed"][1], strict=True):
-        torch.testing.assert_close(checkpointed, plain, rtol=1e-6, atol=1e-6)
-
-
-# --------------------------------------------------------------------------- fusion
-
-
-def test_chain_variants_agree():
-    x = torch.randn(100_003)
-    want = lab04_one_device.elementwise_chain(x)
-    assert torch.allclose(lab04_one_device.tiled_chain(x, block=1000), want)
-    out = torch.empty_like(x)
-    assert torch.allclose(lab04_one_device.unfused_into(x, out), want)
-    assert torch.allclose(lab04_one_device.chain_in_place(x.clone()), want)
-    # by hand: x = -1 -> -2 -> -1 -> 0 -> 0 -> -1 -> 1 -> 3 -> 5
-    assert lab04_one_device.elementwise_chain(torch.tensor([-1.0])).item() == 5.0
-
-
-def test_fused_chain_agrees_with_eager():
-    fused, how = lab04_one_device.fused_chain()
-    x = torch.randn(4096)
-    assert torch.allclose(fused(x), lab04_one_device.elementwise_chain(x))
-    assert how.startswith(("torch.compile", "tiled"))
-
-
-def test_chain_bytes():
-    assert lab04_one_device.chain_bytes(2**20) == 8 * 2 * 2**20 * 4
-    assert lab04_one_device.chain_bytes(2**20, fused=True) == 2 * 2**20 * 4
-    assert (
-        lab04_one_device.chain_bytes(10, ops=3)
-        / lab04_one_device.chain_bytes(10, ops=3, fused=True)
-        == 3
-    )
-
-
 # --------------------------------------------------------------------------- exercises
-
-
-def _accumulate_by_size(model, x, y, sizes):
-    model.zero_grad()
-    for xm, ym in zip(x.split(sizes), y.split(sizes), strict=True):
-        (torch.nn.functional.mse_loss(model(xm), ym) * len(xm) / len(x)).backward()
-    return lab04_one_device.flat_grad(model)
 
 
 def _accumulate_by_count(model, x, y, sizes):  # the mistake: 1/k, not size/n
@@ -249,19 +210,61 @@ def _accumulate_by_count(model, x, y, sizes):  # the mistake: 1/k, not size/n
     return lab04_one_device.flat_grad(model)
 
 
-def test_check_accumulation():
-    lab04_one_device.check_accumulation(_accumulate_by_size)
-    with pytest.raises(AssertionError, match="sizes="):
+def _accumulate_unweighted(model, x, y, sizes):  # the mistake: no weight at all
+    model.zero_grad()
+    for xm, ym in zip(x.split(sizes), y.split(sizes), strict=True):
+        torch.nn.functional.mse_loss(model(xm), ym).backward()
+    return lab04_one_device.flat_grad(model)
+
+
+def _accumulate_last_only(model, x, y, sizes):  # the mistake: zero_grad in the loop
+    for xm, ym in zip(x.split(sizes), y.split(sizes), strict=True):
+        model.zero_grad()
+        (torch.nn.functional.mse_loss(model(xm), ym) * len(xm) / len(x)).backward()
+    return lab04_one_device.flat_grad(model)
+
+
+def test_check_accumulation(capsys):
+    assert lab04_one_device.check_accumulation(stub("accumulate")) is False
+    assert capsys.readouterr().out.startswith("Not attempted yet: write the body of accumulate()")
+    assert lab04_one_device.check_accumulation(solution(LAB, "accumulate")) is True
+    said = capsys.readouterr().out
+    assert said.startswith("Correct: ") and "len(" not in said and "weight" not in said
+    with pytest.raises(AssertionError, match="sizes=\\[40, 20\\]"):
         lab04_one_device.check_accumulation(_accumulate_by_count)
+    with pytest.raises(AssertionError, match="2 times too big"):
+        lab04_one_device.check_accumulation(_accumulate_unweighted)
+    with pytest.raises(AssertionError, match="sizes="):
+        lab04_one_device.check_accumulation(_accumulate_last_only)
+    with pytest.raises(AssertionError, match="flat gradient"):
+        lab04_one_device.check_accumulation(lambda model, x, y, sizes: None)
 
 
-def test_check_saved_bytes():
-    lab04_one_device.check_saved_bytes(lambda L, b, d, s: math.ceil(L / s) * b * d * 4)
-    with pytest.raises(AssertionError, match="saved"):
+def test_check_saved_bytes(capsys):
+    name = "saved_bytes_with_checkpoints"
+    assert lab04_one_device.check_saved_bytes(stub(name)) is False
+    assert f"write the body of {name}()" in capsys.readouterr().out
+    assert lab04_one_device.check_saved_bytes(solution(LAB, name)) is True
+    said = capsys.readouterr().out
+    assert said.startswith("Correct: ") and "ceil" not in said
+    with pytest.raises(AssertionError, match="saved"):  # the last, shorter segment forgotten
         lab04_one_device.check_saved_bytes(lambda L, b, d, s: L // s * b * d * 4)
+    with pytest.raises(AssertionError, match="saved"):  # no checkpointing: 9 per block
+        lab04_one_device.check_saved_bytes(lambda L, b, d, s: 9 * L * b * d * 4)
+    with pytest.raises(AssertionError, match="saved"):  # elements, not bytes
+        lab04_one_device.check_saved_bytes(lambda L, b, d, s: math.ceil(L / s) * b * d)
 
 
-def test_check_loss_scale():
-    lab04_one_device.check_loss_scale(lab04_one_device.largest_safe_scale)
-    with pytest.raises(AssertionError):
+def test_check_loss_scale(capsys):
+    lab04_one_device.check_loss_scale(stub("safe_scale"))
+    assert capsys.readouterr().out.startswith("Not attempted yet")
+    assert lab04_one_device.check_loss_scale(solution(LAB, "safe_scale")) is True
+    said = capsys.readouterr().out
+    assert said.startswith("Correct: ") and "log2" not in said and "floor" not in said
+    assert lab04_one_device.check_loss_scale(stub("safe_scale")) is False
+    with pytest.raises(AssertionError, match="overflows"):
         lab04_one_device.check_loss_scale(lambda g: 2.0 ** math.ceil(math.log2(65504 / g)))
+    with pytest.raises(AssertionError, match="power of two"):
+        lab04_one_device.check_loss_scale(lambda g: 65504 / g)
+    with pytest.raises(AssertionError):  # fp16's smallest normal instead of its largest
+        lab04_one_device.check_loss_scale(lambda g: 2.0 ** math.floor(math.log2(2**-14 / g)))

@@ -3,14 +3,17 @@ checkpointing and operator fusion, each measured next to its formula.
 
 * Gradient accumulation: with a mean-reduced loss, ``k`` micro-batches of size ``b``, each
   loss divided by ``k``, give the gradient of one batch of ``k*b``; so does averaging the
-  gradients of ``k`` ranks with ``all_reduce`` (data parallelism, chapter 10).
+  gradients of ``k`` ranks with ``all_reduce`` (data parallelism, chapter 10), step after
+  step of training.
 * Mixed precision (Micikevicius et al. 2018, arXiv:1710.03740): compute in bf16/fp16, keep
   fp32 master weights, scale the loss so fp16 gradients do not underflow.
 * Activation checkpointing (Chen et al. 2016, arXiv:1604.06174) on
-  :class:`labsupport.models.MLPStack`; formulas in :mod:`labsupport.estimate.memory`,
-  measurements in :mod:`labsupport.measure.memory`.
+  :class:`labsupport.models.MLPStack`: :mod:`labsupport.labs.lab04_checkpointing`.
 * Fusion: a chain of ``k`` elementwise ops moves ``2k`` tensors through memory unfused and
-  2 fused (``torch.compile``).
+  2 fused (``torch.compile``): :mod:`labsupport.labs.lab04_fusion`.
+
+This module also holds the checkers of the lab's exercises. ``step_memory`` is imported
+here from the checkpointing module for ``tools/figures.py``, which draws chapter 4's figure.
 """
 
 from __future__ import annotations
@@ -23,10 +26,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from labsupport.estimate.dtypes import FORMATS
+from labsupport.labs.cells import exercise
+from labsupport.labs.lab04_checkpointing import saved_bytes, step_memory  # noqa: F401
+from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
-from labsupport.measure.memory import LiveMemory, saved_tensors
 from labsupport.measure.timing import side_by_side
 from labsupport.models import MLPStack, regression_data
+
+#: fp32's unit roundoff: one rounding changes a value by at most this share of it.
+FP32_UNIT_ROUNDOFF = 2.0**-24
+
+
+def rounding_tolerance(reference: torch.Tensor, terms: int) -> float:
+    """How far two fp32 computations of ``reference`` may differ when they add up
+    ``terms`` values in different orders: ``terms · u · max|reference|``.
+
+    Summing n numbers in fp32 makes an error of at most about n·u times their magnitude
+    (Higham 2002, "Accuracy and Stability of Numerical Algorithms", section 4.2); two
+    orders of the same sum differ by no more than that, with u = 2^-24.
+    """
+    return terms * FP32_UNIT_ROUNDOFF * reference.abs().max().item()
+
 
 # --------------------------------------------------------------------------- accumulation
 
@@ -77,10 +97,75 @@ def data_parallel_gradient(seed: int = 0, n: int = 64) -> torch.Tensor:
     x, y = regression_data(n=n)
     shard = slice(rank * n // world, (rank + 1) * n // world)
     grad = batch_gradient(model, x[shard].to(device()), y[shard].to(device()))
-    print(f"rank {rank}: {len(x[shard])} samples, the mean loss of its shard")
+    print(f"{len(x[shard])} of the {n} samples: the gradient of their mean loss")
     dist.all_reduce(grad, op=dist.ReduceOp.SUM)
     grad /= world
     return grad.cpu()
+
+
+#: The training runs of the lab: plain SGD on :func:`make_mlp`, the whole batch each step.
+TRAIN_STEPS, TRAIN_LR = 300, 0.1
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """All parameters of ``model`` as one vector (a copy)."""
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+
+def train(model: nn.Module, x, y, steps: int = TRAIN_STEPS, lr: float = TRAIN_LR) -> list:
+    """``steps`` steps of SGD on the mean-squared error of the whole batch, on one process;
+    returns the loss before each step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def average_gradients(model: nn.Module) -> None:
+    """Sum each gradient over the ranks with ``all_reduce`` and divide by their number:
+    what ``DistributedDataParallel`` does after ``backward`` (chapter 10 adds buckets and
+    overlaps the sums with the backward pass)."""
+    world = dist.get_world_size()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+
+
+def data_parallel_training(
+    steps: int = TRAIN_STEPS, lr: float = TRAIN_LR, seed: int = 0, n: int = 64
+) -> dict:
+    """On every rank: :func:`train`, with this rank's shard of the batch and the gradients
+    averaged over the ranks before each step.
+
+    Every rank starts from the same weights (same seed) and applies the same averaged
+    gradient, so the ranks stay identical, step after step, and follow the run of one
+    process on the whole batch. A progress bar per rank shows the steps as they go.
+    Returns the final weights and the loss of the whole batch before each step (the
+    mean of the ranks' losses, as the shards are equal), on the CPU.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_mlp(seed).to(device())
+    x, y = regression_data(n=n)
+    shard = slice(rank * n // world, (rank + 1) * n // world)
+    x, y = x[shard].to(device()), y[shard].to(device())
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    print(f"{len(x)} of the {n} samples, {steps} steps of SGD")
+    losses = []
+    for _ in progress(range(steps), "train"):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        average_gradients(model)
+        optimizer.step()
+        losses.append(loss.detach())
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)
+    return {"weights": flat_params(model).cpu(), "losses": (losses / world).cpu()}
 
 
 # --------------------------------------------------------------------------- mixed precision
@@ -122,7 +207,8 @@ def matmul_errors(n: int = 256, seed: int = 0) -> dict:
 
 def matmul_seconds(n: int = 1024, rounds: int = 7) -> dict:
     """An ``n x n`` matmul in fp32 and under bf16 autocast, timed side by side: median
-    seconds of each and the median per-round ratio fp32 / bf16 (the speed-up)."""
+    seconds of each, the median per-round ratio fp32 / bf16 (the speed-up), and the
+    dtype the timed bf16 matmul returns."""
     a, b = torch.randn(n, n), torch.randn(n, n)
 
     def bf16():
@@ -130,8 +216,13 @@ def matmul_seconds(n: int = 1024, rounds: int = 7) -> dict:
             return a @ b
 
     t = side_by_side({"fp32": lambda: a @ b, "bf16": bf16}, rounds=rounds)
-    return {"fp32": t["fp32"], "bf16": t["bf16"], "speedup": 1 / t["ratio"]["bf16"],
-            "flops": 2 * n**3}  # fmt: skip
+    return {
+        "fp32": t["fp32"],
+        "bf16": t["bf16"],
+        "speedup": 1 / t["ratio"]["bf16"],
+        "flops": 2 * n**3,
+        "bf16_dtype": bf16().dtype,
+    }
 
 
 def repeated_update(dtype, w0: float = 1.0, update: float = 1e-3, steps: int = 1000) -> float:
@@ -214,145 +305,48 @@ def gradscaler_overflow_step(init_scale: float = 2.0**40) -> dict:
     return {"scale_before": init_scale, "scale_after": scaler.get_scale(), "skipped": unchanged}
 
 
-# --------------------------------------------------------------------------- checkpointing
-
-
-def saved_bytes(stack: MLPStack, x, segment: int | None = None) -> int:
-    """Bytes of activations the forward of ``stack`` saves for backward, parameters not
-    counted (:func:`labsupport.measure.memory.saved_tensors`)."""
-    with saved_tensors(exclude=stack) as saved:
-        stack(x, segment)
-    return saved.nbytes
-
-
-def step_memory(stack: MLPStack, x, segment: int | None = None) -> dict:
-    """Bytes alive after the forward and at the peak of forward + backward.
-
-    The gradients' buffers are allocated before (as in a training loop after the first
-    step), so what the tracker sees is activations and backward's temporary gradients.
-    """
-    for p in stack.parameters():
-        p.grad = torch.zeros_like(p)
-    x = x.detach().requires_grad_()
-    with LiveMemory() as tracker:
-        out = stack(x, segment)
-        after_forward = tracker.live
-        out.sum().backward()
-    return {"after_forward": after_forward, "peak": tracker.peak}
-
-
-def recompute_ratio(stack: MLPStack, x, segment: int = 1, rounds: int = 7) -> dict:
-    """Time of a checkpointed training step over a plain one, timed side by side
-    (:func:`labsupport.measure.timing.side_by_side`)."""
-
-    def step(segment):
-        for p in stack.parameters():
-            p.grad = None
-        stack(x, segment).sum().backward()
-
-    t = side_by_side({"plain": lambda: step(None), "checkpointed": lambda: step(segment)},
-                     rounds=rounds)  # fmt: skip
-    return {"plain": t["plain"], "checkpointed": t["checkpointed"],
-            "ratio": t["ratio"]["checkpointed"]}  # fmt: skip
-
-
-#: Backward costs about twice the forward, so fwd+bwd = 3 forwards; recomputing adds one.
-RECOMPUTE_PREDICTION = 4 / 3
-
-
-# --------------------------------------------------------------------------- fusion
-
-
-def elementwise_chain(x: torch.Tensor) -> torch.Tensor:
-    """Eight cheap elementwise ops; in eager mode each reads and writes a whole tensor."""
-    y = x * 2.0
-    y = y + 1.0
-    y = torch.relu(y)
-    y = y * 0.5
-    y = y - 1.0
-    y = y.abs()
-    y = y * 3.0
-    y = y + 2.0
-    return y
-
-
-CHAIN_OPS = 8
-
-
-def unfused_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The chain op by op, without allocating: the first op writes ``out``, the rest work
-    in place on it. Still 8 passes over memory, each reading and writing ``n`` elements."""
-    torch.mul(x, 2.0, out=out)
-    return chain_in_place(out, first=False)
-
-
-def chain_in_place(y: torch.Tensor, first: bool = True) -> torch.Tensor:
-    """The same chain, in place on ``y`` (``first=False``: skip the first op, done already)."""
-    if first:
-        y.mul_(2.0)
-    y.add_(1.0).relu_().mul_(0.5).sub_(1.0).abs_().mul_(3.0).add_(2.0)
-    return y
-
-
-def tiled_chain(x: torch.Tensor, block: int = 2**15) -> torch.Tensor:
-    """Fusion by hand, without a compiler: run the whole chain on one cache-sized block at a
-    time, so the intermediates stay in cache and main memory sees one read and one write."""
-    out = torch.empty_like(x)
-    flat_in, flat_out = x.reshape(-1), out.reshape(-1)
-    for start in range(0, flat_in.numel(), block):
-        piece = flat_out[start : start + block]
-        piece.copy_(flat_in[start : start + block])
-        chain_in_place(piece)
-    return out
-
-
-def fused_chain():
-    """``(function, how)``: the chain compiled into one loop by ``torch.compile``, or, where
-    compiling fails (no C++ compiler), the hand-tiled version."""
-    compiled = torch.compile(elementwise_chain)
-    try:
-        compiled(torch.ones(1024))
-        return compiled, "torch.compile"
-    except Exception:  # noqa: BLE001 - any compiler failure: fall back
-        return tiled_chain, "tiled by hand (torch.compile failed)"
-
-
-def chain_bytes(n: int, ops: int = CHAIN_OPS, fused: bool = False, itemsize: int = 4) -> int:
-    """Bytes the chain moves through memory: each unfused op reads and writes ``n`` elements;
-    the fused chain reads the input and writes the output once."""
-    return (2 if fused else 2 * ops) * n * itemsize
-
-
 # --------------------------------------------------------------------------- exercises
 
 
-def check_accumulation(fn) -> None:
+@exercise
+def check_accumulation(fn) -> str:
     """Exercise 1: ``fn(model, x, y, sizes)`` accumulates over micro-batches of the given
     (possibly unequal) ``sizes``; it must equal the whole batch's gradient."""
     model = make_mlp()
     x, y = regression_data(n=60)
     want = batch_gradient(model, x, y)
-    for sizes in ([60], [30, 30], [40, 20], [7, 13, 40], [1] * 60):
+    tolerance = rounding_tolerance(want, len(x))  # the gradient sums over the 60 samples
+    splits = ([60], [30, 30], [40, 20], [7, 13, 40], [1] * 60)
+    for sizes in splits:
         model.zero_grad()
         got = fn(model, x, y, sizes)
-        assert got.shape == want.shape, f"sizes={sizes}: got shape {tuple(got.shape)}"
-        assert torch.allclose(got, want, atol=1e-6), (
-            f"sizes={sizes}: max difference {(got - want).abs().max():.2e} from the batch gradient"
+        assert isinstance(got, torch.Tensor) and got.shape == want.shape, (
+            f"sizes={sizes}: return the flat gradient, flat_grad(model), a tensor of shape "
+            f"{tuple(want.shape)}; got {got!r:.60}"
         )
-    print("Correct: every split gives the whole batch's gradient.")
+        hint = ""
+        if torch.allclose(got, want * len(sizes), atol=len(sizes) * tolerance):
+            hint = f" ({len(sizes)} times too big: the micro-batch losses need a weight)"
+        assert (got - want).abs().max() <= tolerance, (
+            f"sizes={sizes}: max difference {(got - want).abs().max():.2e} from the whole "
+            f"batch's gradient{hint}"
+        )
+    return f"{len(splits)} splits of 60 samples, equal and unequal, give the batch's gradient"
 
 
-def check_saved_bytes(fn) -> None:
+@exercise
+def check_saved_bytes(fn) -> str:
     """Exercise 2: ``fn(layers, batch, d, segment)`` predicts the bytes the forward saves
     with checkpointing every ``segment`` blocks; checked against the measurement."""
-    for layers, batch, d, segment in [(4, 8, 16, 1), (6, 4, 8, 2), (8, 2, 16, 3), (5, 3, 8, 5)]:
+    cases = [(4, 8, 16, 1), (6, 4, 8, 2), (8, 2, 16, 3), (5, 3, 8, 5), (7, 2, 8, 2)]
+    for layers, batch, d, segment in cases:
         measured = saved_bytes(MLPStack(layers, d), torch.randn(batch, d), segment)
         got = fn(layers, batch, d, segment)
         assert got == measured, (
-            f"L={layers}, b={batch}, d={d}, segment={segment}: you predict {got} bytes, "
-            f"the forward saved {measured}"
+            f"layers={layers}, batch={batch}, d={d}, segment={segment}: you predict {got} "
+            f"bytes, the forward saved {measured}"
         )
-    print("Correct: your formula matches the bytes saved, segment by segment.")
+    return f"{len(cases)} stacks and segment sizes, byte for byte against the forward"
 
 
 def largest_safe_scale(max_grad: float) -> float:
@@ -360,9 +354,16 @@ def largest_safe_scale(max_grad: float) -> float:
     return 2.0 ** math.floor(math.log2(FP16_MAX / max_grad))
 
 
-def check_loss_scale(fn) -> None:
+@exercise
+def check_loss_scale(fn) -> str:
     """Exercise 3: ``fn(max_grad)`` is the largest power-of-two scale that does not overflow."""
-    for max_grad in (1.0, 1e-3, 3.7e-6, 0.02, 65504.0, 100.0):
+    cases = (1.0, 1e-3, 3.7e-6, 0.02, 65504.0, 100.0)
+    for max_grad in cases:
         got, want = fn(max_grad), largest_safe_scale(max_grad)
-        assert got == want, f"max_grad={max_grad}: got {got}, expected {want}"
-    print("Correct: the largest power-of-two scale that keeps fp16 finite.")
+        hint = ""
+        if got != want and got == 2 * want:
+            hint = " (that scale overflows: max_grad times it is above 65504)"
+        elif got != want and not math.log2(abs(got) or 1).is_integer():
+            hint = " (a power of two: scaling by it is exact)"
+        assert got == want, f"max_grad={max_grad}: got {got}, expected {want}{hint}"
+    return f"{len(cases)} largest gradients, from 3.7e-6 to 65504: the largest safe power of two"
