@@ -55,11 +55,13 @@ nbval: $(STAMP)
 # The stored outputs must hold on learners' machines too: re-run every lab with the
 # vector kernels of a CPU without AVX2 (and one without AVX-512), one and four threads
 # per rank, and two busy processes beside it.
+# (torch.compile's cache does not key on the capability: each run gets its own.)
 nbval-portable: $(STAMP)
 	$(call nbval_run,ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
-		LABSUPPORT_THREADS=1)
+		LABSUPPORT_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/_build/inductor-default)
 	$(call nbval_run,ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-		LABSUPPORT_THREADS=4 ../$(PY) ../tools/busy.py 2 --)
+		LABSUPPORT_THREADS=4 TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/_build/inductor-avx2 \
+		../$(PY) ../tools/busy.py 2 --)
 
 browser: book
 	$(PY) -m pytest tests/browser -q

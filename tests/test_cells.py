@@ -40,11 +40,11 @@ def stub(x):
 
 
 def test_an_exercise_says_correct_wrong_or_not_attempted(capsys):
-    assert check_double(lambda x: x + x) is True
+    assert check_double(lambda x: x + x)
     assert capsys.readouterr().out == "Correct: fn(x) = 2x\n"
     with pytest.raises(AssertionError, match="x=1: got 1, expected 2"):
         check_double(lambda x: x * x)
-    assert check_double(stub) is False
+    assert not check_double(stub)
     assert capsys.readouterr().out.startswith("Not attempted yet: write the body of stub()")
 
 
@@ -67,7 +67,16 @@ def broken_on_rank_one():
 
 
 def test_an_exercise_on_ranks_tells_a_stub_from_a_failure(capsys):
-    assert check_on_ranks(rank_zero_stub) is False
+    assert not check_on_ranks(rank_zero_stub)
     assert "Not attempted yet" in capsys.readouterr().out
     with pytest.raises(LaunchError, match="a real mistake"):
         check_on_ranks(broken_on_rank_one)
+
+
+def test_a_checkers_result_prints_nothing_in_a_notebook():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    for passed in (True, False):
+        assert shell.display_formatter.format(cells.Checked(passed)) == ({}, {})
+    assert repr(cells.Checked(False)) == "Checked(passed=False)"

@@ -96,14 +96,14 @@ def test_shared_copy_bandwidth_runs_for_real():
 
 def accepts(check, fn, capsys) -> None:
     """``check`` passes ``fn`` and says so, without giving the answer away."""
-    assert check(fn) is True
+    assert check(fn)
     out = capsys.readouterr().out
     assert out.startswith("Correct: ") and out.count("\n") == 1
     assert "min(" not in out and "max(" not in out
 
 
 def says_not_attempted(check, name, capsys) -> None:
-    assert check(stub(name)) is False
+    assert not check(stub(name))
     assert capsys.readouterr().out.startswith(f"Not attempted yet: write the body of {name}()")
 
 

@@ -102,14 +102,14 @@ def test_all_reduce_in_dtypes_on_real_ranks():
 
 def accepts(check, fn, capsys) -> None:
     """``check`` passes ``fn`` and says so in one line."""
-    assert check(fn) is True
+    assert check(fn)
     out = capsys.readouterr().out
     assert out.startswith("Correct: ") and out.count("\n") == 1
     return out
 
 
 def says_not_attempted(check, name, capsys) -> None:
-    assert check(stub(name)) is False
+    assert not check(stub(name))
     assert capsys.readouterr().out.startswith(f"Not attempted yet: write the body of {name}()")
 
 

@@ -146,10 +146,10 @@ def test_explorer_choices_are_sorted_and_reach_the_lab_s_settings():
 
 
 def test_check_training_days(capsys):
-    assert lab03_walls.check_training_days(stub("training_days")) is False
+    assert not lab03_walls.check_training_days(stub("training_days"))
     assert capsys.readouterr().out.startswith("Not attempted yet: write the body of training_")
     days = solution(LAB, "training_days")
-    assert lab03_walls.check_training_days(days) is True
+    assert lab03_walls.check_training_days(days)
     said = capsys.readouterr().out
     assert said.startswith("Correct: ") and "6·N·D" not in said and "86,400" not in said
     with pytest.raises(AssertionError, match="in seconds"):
@@ -163,9 +163,9 @@ def test_check_training_days(capsys):
 
 
 def test_check_min_gpus(capsys):
-    assert lab03_walls.check_min_gpus(stub("min_gpus")) is False
+    assert not lab03_walls.check_min_gpus(stub("min_gpus"))
     assert "Not attempted yet: write the body of min_gpus()" in capsys.readouterr().out
-    assert lab03_walls.check_min_gpus(solution(LAB, "min_gpus")) is True
+    assert lab03_walls.check_min_gpus(solution(LAB, "min_gpus"))
     said = capsys.readouterr().out
     assert said.startswith("Correct: ") and "ceil" not in said and "16·" not in said
     with pytest.raises(AssertionError, match="round up"):
@@ -179,10 +179,10 @@ def test_check_min_gpus(capsys):
 def test_check_crossover(capsys):
     lab03_walls.check_crossover(stub("crossover_gpus"))
     assert capsys.readouterr().out.startswith("Not attempted yet")
-    assert lab03_walls.check_crossover(solution(LAB, "crossover_gpus")) is True
+    assert lab03_walls.check_crossover(solution(LAB, "crossover_gpus"))
     said = capsys.readouterr().out
     assert said.startswith("Correct: ") and "1.5" not in said
-    assert lab03_walls.check_crossover(stub("crossover_gpus")) is False
+    assert not lab03_walls.check_crossover(stub("crossover_gpus"))
     with pytest.raises(AssertionError):  # the 1 + forgotten
         lab03_walls.check_crossover(lambda b, f, bw: 1.5 * b * bw / f)
     with pytest.raises(AssertionError):  # 4-byte gradients

@@ -225,9 +225,9 @@ def _accumulate_last_only(model, x, y, sizes):  # the mistake: zero_grad in the 
 
 
 def test_check_accumulation(capsys):
-    assert lab04_one_device.check_accumulation(stub("accumulate")) is False
+    assert not lab04_one_device.check_accumulation(stub("accumulate"))
     assert capsys.readouterr().out.startswith("Not attempted yet: write the body of accumulate()")
-    assert lab04_one_device.check_accumulation(solution(LAB, "accumulate")) is True
+    assert lab04_one_device.check_accumulation(solution(LAB, "accumulate"))
     said = capsys.readouterr().out
     assert said.startswith("Correct: ") and "len(" not in said and "weight" not in said
     with pytest.raises(AssertionError, match="sizes=\\[40, 20\\]"):
@@ -242,9 +242,9 @@ def test_check_accumulation(capsys):
 
 def test_check_saved_bytes(capsys):
     name = "saved_bytes_with_checkpoints"
-    assert lab04_one_device.check_saved_bytes(stub(name)) is False
+    assert not lab04_one_device.check_saved_bytes(stub(name))
     assert f"write the body of {name}()" in capsys.readouterr().out
-    assert lab04_one_device.check_saved_bytes(solution(LAB, name)) is True
+    assert lab04_one_device.check_saved_bytes(solution(LAB, name))
     said = capsys.readouterr().out
     assert said.startswith("Correct: ") and "ceil" not in said
     with pytest.raises(AssertionError, match="saved"):  # the last, shorter segment forgotten
@@ -258,10 +258,10 @@ def test_check_saved_bytes(capsys):
 def test_check_loss_scale(capsys):
     lab04_one_device.check_loss_scale(stub("safe_scale"))
     assert capsys.readouterr().out.startswith("Not attempted yet")
-    assert lab04_one_device.check_loss_scale(solution(LAB, "safe_scale")) is True
+    assert lab04_one_device.check_loss_scale(solution(LAB, "safe_scale"))
     said = capsys.readouterr().out
     assert said.startswith("Correct: ") and "log2" not in said and "floor" not in said
-    assert lab04_one_device.check_loss_scale(stub("safe_scale")) is False
+    assert not lab04_one_device.check_loss_scale(stub("safe_scale"))
     with pytest.raises(AssertionError, match="overflows"):
         lab04_one_device.check_loss_scale(lambda g: 2.0 ** math.ceil(math.log2(65504 / g)))
     with pytest.raises(AssertionError, match="power of two"):

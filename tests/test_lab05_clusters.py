@@ -19,7 +19,7 @@ LAB = "05-clusters.ipynb"
 def accepted_solution(check, name, capsys):
     """The notebook's worked solution of ``name``, which ``check`` must accept."""
     fn = solution(LAB, name)
-    assert check(fn) is True
+    assert check(fn)
     assert capsys.readouterr().out.startswith("Correct:")
     return fn
 
@@ -27,7 +27,7 @@ def accepted_solution(check, name, capsys):
 def assert_not_attempted(check, name, capsys):
     """The lab's stub is not an answer: the checker says so and returns False."""
     capsys.readouterr()
-    assert check(stub(name)) is False
+    assert not check(stub(name))
     assert capsys.readouterr().out.startswith("Not attempted yet")
 
 

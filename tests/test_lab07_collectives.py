@@ -79,12 +79,12 @@ def checks(capsys, checker, lab, name, verified, mistakes):
     """The worked solution of ``name`` in notebook ``lab`` passes ``checker``, which says
     what it verified; each ``(mistake, message)`` fails with an assertion that matches
     ``message``; the stub is not attempted yet. (Lab 8's tests use it too.)"""
-    assert checker(solution(lab, name)) is True
+    assert checker(solution(lab, name))
     assert capsys.readouterr().out.startswith(f"Correct: {verified}")
     for mistake, message in mistakes:
         with pytest.raises(AssertionError, match=message):
             checker(mistake)
-    assert checker(stub(name)) is False
+    assert not checker(stub(name))
     assert capsys.readouterr().out.startswith(f"Not attempted yet: write the body of {name}()")
 
 

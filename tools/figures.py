@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from labsupport import launch
-from labsupport.labs import lab04_one_device, lab07_collectives
+from labsupport.labs import lab04_checkpointing, lab07_collectives
 from labsupport.labs.lab06_launching import global_rank
 from labsupport.models import MLPStack
 from labsupport.viz import clusters, collectives, dtypes, one_device, ranks, roofline, walls
@@ -36,7 +36,7 @@ def checkpoint_memory(layers: int = 16, batch: int = 512, d: int = 64):
     """Chapter 4: an MLP stack's activation memory measured for segments of 1 to 16
     blocks (and none), next to the formulas."""
     stack, x = MLPStack(layers, d), torch.randn(batch, d)
-    measured = {s: lab04_one_device.step_memory(stack, x, s) for s in (None, 1, 2, 4, 8, 16)}
+    measured = {s: lab04_checkpointing.step_memory(stack, x, s) for s in (None, 1, 2, 4, 8, 16)}
     return one_device.draw_checkpoint_memory(measured, layers, batch, d)
 
 

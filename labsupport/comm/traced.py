@@ -63,8 +63,9 @@ def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim``, in rank order."""
     world = dist.get_world_size(group)
     moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype,
-                      device=moved.device)  # fmt: skip
+    out = torch.empty(
+        (world * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype, device=moved.device
+    )
     _record("all_gather", _nbytes(out), group)
     dist.all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
@@ -79,8 +80,9 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
             f"reduce-scatter along dim {dim} of size {moved.shape[0]} over {world} ranks: "
             "the size must be a multiple of the number of ranks"
         )
-    out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=moved.dtype,
-                      device=moved.device)  # fmt: skip
+    out = torch.empty(
+        (moved.shape[0] // world, *moved.shape[1:]), dtype=moved.dtype, device=moved.device
+    )
     _record("reduce_scatter", _nbytes(moved), group)
     dist.reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)

@@ -64,8 +64,18 @@ AMD_7840U = (
 )
 
 
-def _entry(name, kind, memory, memory_gb, bandwidth_gb_s, fp32_tflops, tensor_tflops,
-           tensor_precision, datasheet, source):  # fmt: skip
+def _entry(
+    name,
+    kind,
+    memory,
+    memory_gb,
+    bandwidth_gb_s,
+    fp32_tflops,
+    tensor_tflops,
+    tensor_precision,
+    datasheet,
+    source,
+):
     return {
         "name": name,
         "kind": kind,
@@ -108,27 +118,82 @@ _CPU_FLOPS, _CPU_BANDWIDTH = laptop_cpu_peaks()
 DEVICES = {
     entry["name"]: entry
     for entry in [
-        _entry("V100 SXM2", "GPU", "32 GB HBM2", 32, 900, 15.7, 125, "FP16",
-               "FP32 15.7 TFLOPS; Tensor 125 TFLOPS (FP16 inputs); HBM2 900 GB/s",
-               NVIDIA + "v100/"),
-        _entry("A100 SXM 80GB", "GPU", "80 GB HBM2e", 80, 2039, 19.5, 312, "BF16",
-               "FP32 19.5 TFLOPS; BF16 Tensor 312 TFLOPS (624 with sparsity); 2,039 GB/s",
-               NVIDIA + "a100/"),
-        _entry("H100 SXM", "GPU", "80 GB HBM3", 80, 3350, 67, 989, "BF16",
-               "FP32 67 TFLOPS; BF16 Tensor 1,979 TFLOPS with sparsity (989 dense); 3.35 TB/s",
-               NVIDIA + "h100/"),
-        _entry("H200 SXM", "GPU", "141 GB HBM3e", 141, 4800, 67, 989, "BF16",
-               "FP32 67 TFLOPS; BF16 Tensor 1,979 TFLOPS with sparsity (989 dense); 4.8 TB/s",
-               NVIDIA + "h200/"),
-        _entry("RTX 4090", "GPU", "24 GB GDDR6X", 24, 1008, 82.6, 165.2, "BF16",
-               "FP32 82.6 TFLOPS; BF16 Tensor, FP32 accumulate, 165.2 TFLOPS (330.4 with "
-               "sparsity); 1,008 GB/s", ADA),
-        _entry("Ryzen 7 7840U (laptop CPU)", "CPU", "DDR5-5600, 2 channels", 32,
-               _CPU_BANDWIDTH / GB, _CPU_FLOPS / TFLOPS, None, None,
-               "8 cores, 3.3 GHz base; computed: 8 x 3.3 GHz x 32 FLOP/cycle = 844.8 GFLOP/s; "
-               "2 x 8 B x 5600 MT/s = 89.6 GB/s", AMD_7840U),
+        _entry(
+            "V100 SXM2",
+            "GPU",
+            "32 GB HBM2",
+            32,
+            900,
+            15.7,
+            125,
+            "FP16",
+            "FP32 15.7 TFLOPS; Tensor 125 TFLOPS (FP16 inputs); HBM2 900 GB/s",
+            NVIDIA + "v100/",
+        ),
+        _entry(
+            "A100 SXM 80GB",
+            "GPU",
+            "80 GB HBM2e",
+            80,
+            2039,
+            19.5,
+            312,
+            "BF16",
+            "FP32 19.5 TFLOPS; BF16 Tensor 312 TFLOPS (624 with sparsity); 2,039 GB/s",
+            NVIDIA + "a100/",
+        ),
+        _entry(
+            "H100 SXM",
+            "GPU",
+            "80 GB HBM3",
+            80,
+            3350,
+            67,
+            989,
+            "BF16",
+            "FP32 67 TFLOPS; BF16 Tensor 1,979 TFLOPS with sparsity (989 dense); 3.35 TB/s",
+            NVIDIA + "h100/",
+        ),
+        _entry(
+            "H200 SXM",
+            "GPU",
+            "141 GB HBM3e",
+            141,
+            4800,
+            67,
+            989,
+            "BF16",
+            "FP32 67 TFLOPS; BF16 Tensor 1,979 TFLOPS with sparsity (989 dense); 4.8 TB/s",
+            NVIDIA + "h200/",
+        ),
+        _entry(
+            "RTX 4090",
+            "GPU",
+            "24 GB GDDR6X",
+            24,
+            1008,
+            82.6,
+            165.2,
+            "BF16",
+            "FP32 82.6 TFLOPS; BF16 Tensor, FP32 accumulate, 165.2 TFLOPS (330.4 with "
+            "sparsity); 1,008 GB/s",
+            ADA,
+        ),
+        _entry(
+            "Ryzen 7 7840U (laptop CPU)",
+            "CPU",
+            "DDR5-5600, 2 channels",
+            32,
+            _CPU_BANDWIDTH / GB,
+            _CPU_FLOPS / TFLOPS,
+            None,
+            None,
+            "8 cores, 3.3 GHz base; computed: 8 x 3.3 GHz x 32 FLOP/cycle = 844.8 GFLOP/s; "
+            "2 x 8 B x 5600 MT/s = 89.6 GB/s",
+            AMD_7840U,
+        ),
     ]
-}  # fmt: skip
+}
 """Datasheet numbers, **dense** (no sparsity): ``bandwidth`` in bytes/s, ``fp32`` and
 ``tensor`` in FLOP/s. ``fp32`` is the non-tensor (CUDA core, or CPU vector unit) rate;
 ``tensor`` is the tensor-core rate at ``tensor_precision``: NVIDIA lists the H100, H200 and
@@ -220,29 +285,55 @@ DGX_H100 = (
 LINKS = {
     link["name"]: link
     for link in [
-        _link("PCIe 3.0 x16", "PCIe", pcie_x16(8, 128, 130),
-              "8 GT/s per lane, 128b/130b", PCI_SIG),
-        _link("PCIe 4.0 x16", "PCIe", pcie_x16(16, 128, 130),
-              "16 GT/s per lane, 128b/130b", PCI_SIG),
-        _link("PCIe 5.0 x16", "PCIe", pcie_x16(32, 128, 130),
-              "32 GT/s per lane, 128b/130b", PCI_SIG),
-        _link("PCIe 6.0 x16", "PCIe", pcie_x16(64, 1, 1),
-              "64 GT/s per lane (PAM4, FLIT); 256 GB/s bidirectional, raw", PCIE6),
-        _link("NVLink 2 (V100)", "NVLink", _bidirectional(300),
-              "6 links, 300 GB/s bidirectional", NVIDIA + "v100/"),
-        _link("NVLink 3 (A100)", "NVLink", _bidirectional(600),
-              "12 links, 600 GB/s bidirectional", NVIDIA + "a100/"),
-        _link("NVLink 4 (H100)", "NVLink", _bidirectional(900),
-              "18 links, 900 GB/s bidirectional", NVIDIA + "h100/"),
-        _link("NVLink 5 (B200)", "NVLink", _bidirectional(1800),
-              "18 links, 1.8 TB/s bidirectional", NVIDIA + "nvlink/"),
+        _link("PCIe 3.0 x16", "PCIe", pcie_x16(8, 128, 130), "8 GT/s per lane, 128b/130b", PCI_SIG),
+        _link(
+            "PCIe 4.0 x16", "PCIe", pcie_x16(16, 128, 130), "16 GT/s per lane, 128b/130b", PCI_SIG
+        ),
+        _link(
+            "PCIe 5.0 x16", "PCIe", pcie_x16(32, 128, 130), "32 GT/s per lane, 128b/130b", PCI_SIG
+        ),
+        _link(
+            "PCIe 6.0 x16",
+            "PCIe",
+            pcie_x16(64, 1, 1),
+            "64 GT/s per lane (PAM4, FLIT); 256 GB/s bidirectional, raw",
+            PCIE6,
+        ),
+        _link(
+            "NVLink 2 (V100)",
+            "NVLink",
+            _bidirectional(300),
+            "6 links, 300 GB/s bidirectional",
+            NVIDIA + "v100/",
+        ),
+        _link(
+            "NVLink 3 (A100)",
+            "NVLink",
+            _bidirectional(600),
+            "12 links, 600 GB/s bidirectional",
+            NVIDIA + "a100/",
+        ),
+        _link(
+            "NVLink 4 (H100)",
+            "NVLink",
+            _bidirectional(900),
+            "18 links, 900 GB/s bidirectional",
+            NVIDIA + "h100/",
+        ),
+        _link(
+            "NVLink 5 (B200)",
+            "NVLink",
+            _bidirectional(1800),
+            "18 links, 1.8 TB/s bidirectional",
+            NVIDIA + "nvlink/",
+        ),
         _link("InfiniBand EDR", "InfiniBand", _gbit(100), "100 Gb/s per 4x port", IBTA),
         _link("InfiniBand HDR", "InfiniBand", _gbit(200), "200 Gb/s per 4x port", IBTA),
         _link("InfiniBand NDR", "InfiniBand", _gbit(400), "400 Gb/s per 4x port", IBTA),
         _link("InfiniBand XDR", "InfiniBand", _gbit(800), "800 Gb/s per 4x port", IBTA),
         _link("RoCE 400 GbE", "Ethernet", _gbit(400), "400 Gb/s per port (ConnectX-7)", DGX_H100),
     ]
-}  # fmt: skip
+}
 """Interconnects by name; ``gb_per_s`` is GB/s (10^9 bytes/s) in **one direction**.
 
 PCIe 3.0 to 5.0 include the 128b/130b encoding overhead. PCIe 6.0 is the raw 64 GT/s

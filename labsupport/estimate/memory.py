@@ -34,8 +34,9 @@ BYTES_PER_PARAM = {
 }
 
 
-def training_memory(num_params, precision: str = "mixed", zero_stage: int = 0,
-                    dp_size: int = 1) -> dict:  # fmt: skip
+def training_memory(
+    num_params, precision: str = "mixed", zero_stage: int = 0, dp_size: int = 1
+) -> dict:
     """Bytes of model state per device to train ``num_params`` parameters with Adam, per part.
 
     ``precision="mixed"`` is mixed-precision training as the ZeRO paper counts it
@@ -62,10 +63,17 @@ def training_memory(num_params, precision: str = "mixed", zero_stage: int = 0,
 
 
 def activation_memory(
-    seq_len, batch, hidden, heads, layers, recompute: str = "none",
-    bytes_per_value: int = 2, mask_bytes: int = 1,
-    tensor_parallel: int = 1, sequence_parallel: bool = False,
-):  # fmt: skip
+    seq_len,
+    batch,
+    hidden,
+    heads,
+    layers,
+    recompute: str = "none",
+    bytes_per_value: int = 2,
+    mask_bytes: int = 1,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+):
     """Bytes of activations a GPT keeps for the backward pass, summed over ``layers``.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer

@@ -18,8 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def kernel_cost(kind: str, *, numel: int = 0, m: int = 0, k: int = 0, n: int = 0,
-                itemsize: int = 4) -> dict:  # fmt: skip
+def kernel_cost(
+    kind: str, *, numel: int = 0, m: int = 0, k: int = 0, n: int = 0, itemsize: int = 4
+) -> dict:
     """FLOPs and bytes of memory traffic of one kernel, counted from its definition.
 
     * ``"copy"``, ``dst = src`` of ``numel`` elements: 0 FLOPs; reads ``numel`` and writes

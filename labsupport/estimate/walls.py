@@ -24,9 +24,16 @@ BATCH_TOKENS = 4 * 1024 * 4096  # Llama 3 405B's first batch: 1,024 sequences of
 
 
 def step_times(
-    num_params, batch_tokens, devices, peak_flops, bandwidth,
-    mfu=ASSUMED_MFU, alpha=ASSUMED_ALPHA, grad_bytes=2, sharded=False,
-) -> dict:  # fmt: skip
+    num_params,
+    batch_tokens,
+    devices,
+    peak_flops,
+    bandwidth,
+    mfu=ASSUMED_MFU,
+    alpha=ASSUMED_ALPHA,
+    grad_bytes=2,
+    sharded=False,
+) -> dict:
     """Seconds of compute and of gradient communication in one data-parallel step.
 
     Compute: 6·N·(batch tokens) FLOPs, split over ``devices`` at ``mfu`` of
@@ -45,9 +52,16 @@ def step_times(
 
 
 def walls(
-    num_params, num_tokens, devices, bandwidth, gpu: str = "H100 SXM", mfu=ASSUMED_MFU,
-    batch_tokens=BATCH_TOKENS, alpha=ASSUMED_ALPHA, sharded=False,
-) -> dict:  # fmt: skip
+    num_params,
+    num_tokens,
+    devices,
+    bandwidth,
+    gpu: str = "H100 SXM",
+    mfu=ASSUMED_MFU,
+    batch_tokens=BATCH_TOKENS,
+    alpha=ASSUMED_ALPHA,
+    sharded=False,
+) -> dict:
     """Which wall binds first for data-parallel training of a dense model.
 
     In order: the **memory wall** binds if the model states (16 bytes per parameter,
@@ -60,8 +74,9 @@ def walls(
     spec = device_spec(gpu)
     states = sum(training_memory(num_params).values())
     per_device = states / devices if sharded else states
-    step = step_times(num_params, batch_tokens, devices, spec["tensor"], bandwidth, mfu,
-                      alpha, sharded=sharded)  # fmt: skip
+    step = step_times(
+        num_params, batch_tokens, devices, spec["tensor"], bandwidth, mfu, alpha, sharded=sharded
+    )
     steps = num_tokens / batch_tokens
     if per_device > spec["memory_bytes"]:
         binds = "memory"

@@ -43,6 +43,23 @@ def _not_attempted(exc: BaseException) -> bool:
     return False
 
 
+class Checked:
+    """What a checker found: true when the answer passed. It shows nothing in a notebook
+    (the checker has printed its verdict), so a checker cell stores one line."""
+
+    def __init__(self, passed: bool):
+        self.passed = passed
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __repr__(self) -> str:
+        return f"Checked(passed={self.passed})"
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
 def exercise(check):
     """Decorate ``check(fn, ...)``, a checker that asserts on ``fn`` and returns a short
     description of what it checked.
@@ -50,11 +67,12 @@ def exercise(check):
     The decorated checker prints ``Correct: <description>`` when every assertion holds;
     lets an ``AssertionError`` through when one fails (its message says what is wrong);
     and prints ``Not attempted yet`` when ``fn`` is the stub a lab gives the learner,
-    whose body raises ``NotImplementedError``. It returns whether ``fn`` passed.
+    whose body raises ``NotImplementedError``. It returns a :class:`Checked`, true when
+    ``fn`` passed.
     """
 
     @functools.wraps(check)
-    def checker(fn, *args, **kwargs) -> bool:
+    def checker(fn, *args, **kwargs) -> Checked:
         name = getattr(fn, "__name__", "your function")
         try:
             checked = check(fn, *args, **kwargs)
@@ -62,8 +80,8 @@ def exercise(check):
             if not _not_attempted(exc):
                 raise
             print(f"Not attempted yet: write the body of {name}() above, then run this cell.")
-            return False
+            return Checked(False)
         print(f"Correct: {checked}")
-        return True
+        return Checked(True)
 
     return checker

@@ -12,8 +12,7 @@ checkpointing and operator fusion, each measured next to its formula.
 * Fusion: a chain of ``k`` elementwise ops moves ``2k`` tensors through memory unfused and
   2 fused (``torch.compile``): :mod:`labsupport.labs.lab04_fusion`.
 
-This module also holds the checkers of the lab's exercises. ``step_memory`` is imported
-here from the checkpointing module for ``tools/figures.py``, which draws chapter 4's figure.
+This module also holds the checkers of the lab's exercises.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from torch import nn
 
 from labsupport.estimate.dtypes import FORMATS
 from labsupport.labs.cells import exercise
-from labsupport.labs.lab04_checkpointing import saved_bytes, step_memory  # noqa: F401
+from labsupport.labs.lab04_checkpointing import saved_bytes
 from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.measure.timing import side_by_side

@@ -139,14 +139,22 @@ def torchrun_nodes(
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     commands = [
         [
-            sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-            "--rdzv-id=labsupport-nodes", "--max-restarts=0",
-            "-m", "labsupport.run", target, *args,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc_per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            "--rdzv-id=labsupport-nodes",
+            "--max-restarts=0",
+            "-m",
+            "labsupport.run",
+            target,
+            *args,
         ]
         for _ in range(nnodes)
-    ]  # fmt: skip
+    ]
     with contextlib.ExitStack() as files:  # files, not pipes: no pipe can fill up
         logs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in commands]
         nodes = [

@@ -108,12 +108,18 @@ def measure_bandwidth(nbytes: int = 256 * MiB, device="cpu", repeats: int = 5) -
     if not torch.equal(dst[-1000:], src[-1000:]):
         raise RuntimeError("the copy did not copy")
     moved = kernel_cost("copy", numel=numel)["bytes"]
-    return {"device": str(device), "nbytes": numel * 4, "bytes_moved": moved,
-            "seconds": seconds, "bandwidth": moved / seconds}  # fmt: skip
+    return {
+        "device": str(device),
+        "nbytes": numel * 4,
+        "bytes_moved": moved,
+        "seconds": seconds,
+        "bandwidth": moved / seconds,
+    }
 
 
-def measure_matmul_flops(n: int = 1024, dtype=torch.float32, device="cpu", repeats: int = 5,
-                         seed: int = 0) -> dict:  # fmt: skip
+def measure_matmul_flops(
+    n: int = 1024, dtype=torch.float32, device="cpu", repeats: int = 5, seed: int = 0
+) -> dict:
     """FLOP/s of a square ``n x n`` matrix multiply in ``dtype`` on ``device``.
 
     Counts ``2 n^3`` FLOPs per multiply (:func:`kernel_cost`), the count PyTorch's own
@@ -127,12 +133,19 @@ def measure_matmul_flops(n: int = 1024, dtype=torch.float32, device="cpu", repea
     out = torch.empty(n, n, dtype=dtype, device=device)
     seconds = time_op(lambda: torch.matmul(a, b, out=out), device, repeats, best=True)
     flops = kernel_cost("matmul", m=n, k=n, n=n)["flops"]
-    return {"device": str(device), "n": n, "dtype": str(dtype).removeprefix("torch."),
-            "flops": flops, "seconds": seconds, "flop_per_s": flops / seconds}  # fmt: skip
+    return {
+        "device": str(device),
+        "n": n,
+        "dtype": str(dtype).removeprefix("torch."),
+        "flops": flops,
+        "seconds": seconds,
+        "flop_per_s": flops / seconds,
+    }
 
 
-def measure_kernel(kind: str, device="cpu", repeats: int = 5, dtype=torch.float32,
-                   seed: int = 0, **shape) -> dict:  # fmt: skip
+def measure_kernel(
+    kind: str, device="cpu", repeats: int = 5, dtype=torch.float32, seed: int = 0, **shape
+) -> dict:
     """Time one kernel (``"copy"``, ``"add"`` or ``"matmul"``) and place it on the roofline.
 
     ``shape`` is ``numel=`` for copy and add, ``m=, k=, n=`` for matmul. Returns the
@@ -163,7 +176,13 @@ def measure_kernel(kind: str, device="cpu", repeats: int = 5, dtype=torch.float3
         raise ValueError(f"unknown kernel {kind!r}: use 'copy', 'add' or 'matmul'")
     cost = kernel_cost(kind, itemsize=itemsize, **shape)
     seconds = time_op(fn, device, repeats, best=True)
-    return {"kind": kind, "label": label, "device": str(device), **cost,
-            "intensity": cost["flops"] / cost["bytes"], "seconds": seconds,
-            "flop_per_s": cost["flops"] / seconds,
-            "bandwidth": cost["bytes"] / seconds}  # fmt: skip
+    return {
+        "kind": kind,
+        "label": label,
+        "device": str(device),
+        **cost,
+        "intensity": cost["flops"] / cost["bytes"],
+        "seconds": seconds,
+        "flop_per_s": cost["flops"] / seconds,
+        "bandwidth": cost["bytes"] / seconds,
+    }

@@ -17,8 +17,9 @@ import time
 from labsupport.launch.runtime import synchronize
 
 
-def time_op(fn, device="cpu", repeats: int = 5, min_sample_s: float = 2e-3,
-            best: bool = False) -> float:  # fmt: skip
+def time_op(
+    fn, device="cpu", repeats: int = 5, min_sample_s: float = 2e-3, best: bool = False
+) -> float:
     """Median (or, with ``best``, shortest) seconds per call of ``fn()`` on ``device``.
 
     A sample runs ``fn`` often enough to last at least ``min_sample_s``, so that the

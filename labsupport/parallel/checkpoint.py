@@ -93,8 +93,11 @@ def zero_state(zero, group=None) -> dict:
         numel = unit.offsets[-1][1]
         adam = zero.optimizer.state[unit.shard]
         if not adam:  # Adam creates its state at the first step; make it to load into it
-            adam.update(step=torch.zeros(()), exp_avg=torch.zeros_like(unit.shard),
-                        exp_avg_sq=torch.zeros_like(unit.shard))  # fmt: skip
+            adam.update(
+                step=torch.zeros(()),
+                exp_avg=torch.zeros_like(unit.shard),
+                exp_avg_sq=torch.zeros_like(unit.shard),
+            )
         state[f"unit{i}"] = {
             "parameters": _sharded(unit.shard.data, numel, mesh),
             "exp_avg": _sharded(adam["exp_avg"], numel, mesh),

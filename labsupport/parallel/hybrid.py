@@ -29,9 +29,18 @@ def global_batch(step: int, batch: int, config: GPTConfig):
     return random_tokens(batch, config.block_size, config.vocab_size, seed=1000 + step)
 
 
-def train_3d(config: dict, dp: int, tp: int, pp: int, microbatches: int, steps: int,
-             batch: int, lr: float = 1e-3, seed: int = 0,
-             order: str = "tp-dp-pp") -> dict:  # fmt: skip
+def train_3d(
+    config: dict,
+    dp: int,
+    tp: int,
+    pp: int,
+    microbatches: int,
+    steps: int,
+    batch: int,
+    lr: float = 1e-3,
+    seed: int = 0,
+    order: str = "tp-dp-pp",
+) -> dict:
     """Train for ``steps`` steps (run on every rank of a ``dp * tp * pp`` world).
 
     Returns this rank's coordinates, the ranks of its groups and, on the last pipeline

@@ -73,8 +73,9 @@ def train(
     bounds = _shard_bounds(flat.numel(), servers)
     start = time.perf_counter()
     if dist.get_rank() < servers:
-        return _serve(flat, bounds, world - servers, servers, steps, mode, lr,
-                      staleness_bound, control, start)  # fmt: skip
+        return _serve(
+            flat, bounds, world - servers, servers, steps, mode, lr, staleness_bound, control, start
+        )
     return _work(model, flat, bounds, batch, loss_fn, steps, servers, straggler, control)
 
 
@@ -104,8 +105,12 @@ def _serve(flat, bounds, workers, servers, steps, mode, lr, bound, control, star
         dist.recv(grad, src=sender)
         worker, seen, loss = int(header[0]), int(header[1]), float(header[2])
         clock[worker] += 1
-        record = {"worker": worker, "version": version, "loss": loss,
-                  "time": time.perf_counter() - start}  # fmt: skip
+        record = {
+            "worker": worker,
+            "version": version,
+            "loss": loss,
+            "time": time.perf_counter() - start,
+        }
         if mode == "sync":
             pending[worker] = grad.clone()
             record["staleness"] = version - seen

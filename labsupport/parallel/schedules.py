@@ -209,8 +209,12 @@ def simulate(lists: list[list[Action]], v: int = 1) -> list[list[tuple[Action, i
     return timeline
 
 
-_MATCH = {"send_act": "recv_act", "recv_act": "send_act", "send_grad": "recv_grad",
-          "recv_grad": "send_grad"}  # fmt: skip
+_MATCH = {
+    "send_act": "recv_act",
+    "recv_act": "send_act",
+    "send_grad": "recv_grad",
+    "recv_grad": "send_grad",
+}
 
 
 def _match(a: Action, rank: int, p: int) -> tuple[int, Action]:

@@ -117,8 +117,15 @@ class ColumnParallelLinear(nn.Module):
     computes ``Y_i``; ``gather_output`` all-gathers ``Y``. Its input passes *f* (or, with
     ``sequence_parallel``, the sequence all-gather)."""
 
-    def __init__(self, in_features, out_features, bias=True, gather_output=False,
-                 sequence_parallel=False, group=None):  # fmt: skip
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias=True,
+        gather_output=False,
+        sequence_parallel=False,
+        group=None,
+    ):
         super().__init__()
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = sequence_parallel
@@ -140,8 +147,15 @@ class RowParallelLinear(nn.Module):
     *g* sums them (or, with ``sequence_parallel``, reduce-scatters along the sequence);
     the bias is added once, after. ``input_is_parallel=False`` splits ``X`` first."""
 
-    def __init__(self, in_features, out_features, bias=True, input_is_parallel=True,
-                 sequence_parallel=False, group=None):  # fmt: skip
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias=True,
+        input_is_parallel=True,
+        sequence_parallel=False,
+        group=None,
+    ):
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
         self.sequence_parallel = sequence_parallel

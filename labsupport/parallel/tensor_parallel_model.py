@@ -71,8 +71,9 @@ class ParallelBlock(nn.Module):
         self.sharded_seed = seed + 1000 * (rank + 1)
 
     def forward(self, x):
-        x = x + F.dropout(self.attn_proj(self._attention(self.ln_1(x))),
-                          self.config.dropout, self.training)  # fmt: skip
+        x = x + F.dropout(
+            self.attn_proj(self._attention(self.ln_1(x))), self.config.dropout, self.training
+        )
         h = F.gelu(self.c_fc(self.ln_2(x)))
         return x + F.dropout(self.mlp_proj(h), self.config.dropout, self.training)
 

@@ -99,9 +99,13 @@ def alpha_beta_regimes():
         right.plot(half, 0.5 / link_beta / 1e9, "o", color=color, ms=5)
         size = f"{half / 1e6:g} MB" if half >= 1e6 else f"{half / 1e3:g} kB"
         right.annotate(
-            f"n½ = {size}", (half, 0.5 / link_beta / 1e9),
-            xytext=(8, -4), textcoords="offset points", fontsize=8, color=color,
-        )  # fmt: skip
+            f"n½ = {size}",
+            (half, 0.5 / link_beta / 1e9),
+            xytext=(8, -4),
+            textcoords="offset points",
+            fontsize=8,
+            color=color,
+        )
     beta_ndr = links[0][1]
     half_ndr = half_bandwidth_size(alpha, beta_ndr)
     left.axvspan(1, half_ndr, color="#f0f0f0", zorder=0)

@@ -46,8 +46,12 @@ def draw_collective(results: list[dict], name: str, ax=None, key: str = "ours", 
                 ax.text(
                     side + i + 0.46, y + 0.4, f"{value:g}", ha="center", va="center", fontsize=8
                 )
-    ax.annotate("", xy=(width + 1.7, world / 2), xytext=(width + 0.3, world / 2),
-                arrowprops={"arrowstyle": "->", "lw": 1.5})  # fmt: skip
+    ax.annotate(
+        "",
+        xy=(width + 1.7, world / 2),
+        xytext=(width + 0.3, world / 2),
+        arrowprops={"arrowstyle": "->", "lw": 1.5},
+    )
     ax.text(width / 2, world + 0.1, "before", ha="center", fontsize=9)
     ax.text(width + 2 + width / 2, world + 0.1, "after", ha="center", fontsize=9)
     ax.set_title(name, loc="left", fontsize=11, family="monospace")
@@ -120,11 +124,26 @@ def draw_ring_allreduce(world_size: int = 4):
                 )
                 thick = (rank, chunk) in next_sent
                 x, y = rank * CELL, n - 1 - chunk
-                ax.add_patch(plt.Rectangle((x, y), CELL - 0.08, 0.85, facecolor=color,
-                             edgecolor="black", linewidth=2.2 if thick else 0.5))  # fmt: skip
+                ax.add_patch(
+                    plt.Rectangle(
+                        (x, y),
+                        CELL - 0.08,
+                        0.85,
+                        facecolor=color,
+                        edgecolor="black",
+                        linewidth=2.2 if thick else 0.5,
+                    )
+                )
                 text = "Σ" if full else "+".join(str(r) for r in sorted(who))
-                ax.text(x + CELL / 2, y + 0.42, text, ha="center", va="center",
-                        fontsize=8, color="white" if full else "black")  # fmt: skip
+                ax.text(
+                    x + CELL / 2,
+                    y + 0.42,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white" if full else "black",
+                )
             ax.text(rank * CELL + CELL / 2, n + 0.05, f"rank {rank}", ha="center", fontsize=8)
         for chunk in range(n):
             ax.text(

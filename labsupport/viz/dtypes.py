@@ -23,21 +23,42 @@ def dtype_layouts(names=("fp32", "tf32", "bf16", "fp16", "fp8 e5m2", "fp8 e4m3")
         for field, width in fields:
             for _ in range(width):
                 ax.add_patch(
-                    plt.Rectangle((x, y), 0.92, 0.7, facecolor=FIELD_COLORS[field],
-                                           edgecolor="black", linewidth=0.4)
-                )  # fmt: skip
+                    plt.Rectangle(
+                        (x, y),
+                        0.92,
+                        0.7,
+                        facecolor=FIELD_COLORS[field],
+                        edgecolor="black",
+                        linewidth=0.4,
+                    )
+                )
                 x += 1
             if field != "sign":
-                ax.text(x - width / 2 - 0.04, y + 0.35, str(width), ha="center", va="center",
-                        fontsize=8, color="white" if field == "exponent" else "black")  # fmt: skip
+                ax.text(
+                    x - width / 2 - 0.04,
+                    y + 0.35,
+                    str(width),
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white" if field == "exponent" else "black",
+                )
         label = f"{name}  ({f.bits} bits)" if name != "tf32" else "tf32  (19 bits, in 32)"
         ax.text(-0.6, y + 0.35, label, ha="right", va="center", fontsize=9)
         note = f"max {f.max:.6g}, eps 2^-{f.mantissa}"
         ax.text(33, y + 0.35, note, ha="left", va="center", fontsize=8, color="#444444")
-    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black")
-               for c in FIELD_COLORS.values()]  # fmt: skip
-    ax.legend(handles, list(FIELD_COLORS), ncol=3, loc="lower center", frameon=False,
-              bbox_to_anchor=(0.45, 1.0), fontsize=9)  # fmt: skip
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black") for c in FIELD_COLORS.values()
+    ]
+    ax.legend(
+        handles,
+        list(FIELD_COLORS),
+        ncol=3,
+        loc="lower center",
+        frameon=False,
+        bbox_to_anchor=(0.45, 1.0),
+        fontsize=9,
+    )
     ax.set_xlim(-9, 44)
     ax.set_ylim(-0.2, len(names))
     ax.set_aspect("equal")
@@ -56,8 +77,13 @@ def range_and_precision(names=("fp32", "bf16", "fp16", "fp8 e5m2", "fp8 e4m3")):
         color = rank_color(row)
         ax.barh(y, mid - lo, left=lo, height=0.5, color=color, alpha=0.35)
         ax.barh(y, hi - mid, left=mid, height=0.5, color=color)
-        ax.text(min(hi, 150) + 2, y, f"{f.smallest_subnormal:.1e} … {f.max:.3g}", va="center",
-                fontsize=8)  # fmt: skip
+        ax.text(
+            min(hi, 150) + 2,
+            y,
+            f"{f.smallest_subnormal:.1e} … {f.max:.3g}",
+            va="center",
+            fontsize=8,
+        )
     for value, label in ((1e-8, "gradient 1e-8"), (7e4, "70,000")):
         ax.axvline(math.log2(value), color="black", lw=1, ls="--")
         ax.text(math.log2(value) + 2, -0.75, label, ha="left", fontsize=8)
@@ -86,8 +112,7 @@ def plot_loss_scaling(rows: list[dict], title: str = "fp16, gradients scaled by 
     left.set_ylabel("median relative error")
     series = [("subnormal", "s--", 2), ("zero", "o-", 0), ("inf", "^-", 5)]
     for key, style, color in series:
-        right.plot(k, [100 * r[key] for r in rows], style, color=rank_color(color),
-                   label=key)  # fmt: skip
+        right.plot(k, [100 * r[key] for r in rows], style, color=rank_color(color), label=key)
     right.set_yscale("symlog", linthresh=0.01)
     right.set_xlabel("log2 of the loss scale")
     right.set_ylabel("% of nonzero gradients")

@@ -14,7 +14,7 @@ def draw_checkpoint_memory(measured: dict, layers: int, batch: int, d: int):
     with checkpointing, measured next to the formulas, for several segment sizes.
 
     ``measured`` maps a segment size (``None``: no checkpointing) to what
-    :func:`labsupport.labs.lab04_one_device.step_memory` returns: ``after_forward`` and
+    :func:`labsupport.labs.lab04_checkpointing.step_memory` returns: ``after_forward`` and
     ``peak`` bytes.
     """
     unit = batch * d * 4
@@ -22,10 +22,20 @@ def draw_checkpoint_memory(measured: dict, layers: int, batch: int, d: int):
     fig, ax = figure(7.5, 3.4)
     labels = ["none" if s is None else str(s) for s in cases]
     pos = range(len(cases))
-    ax.bar([p - 0.2 for p in pos], [measured[s]["after_forward"] / unit for s in cases], 0.4,
-           color=rank_color(0), label="kept after forward (measured)")  # fmt: skip
-    ax.bar([p + 0.2 for p in pos], [measured[s]["peak"] / unit for s in cases], 0.4,
-           color=rank_color(1), label="peak in forward + backward (measured)")  # fmt: skip
+    ax.bar(
+        [p - 0.2 for p in pos],
+        [measured[s]["after_forward"] / unit for s in cases],
+        0.4,
+        color=rank_color(0),
+        label="kept after forward (measured)",
+    )
+    ax.bar(
+        [p + 0.2 for p in pos],
+        [measured[s]["peak"] / unit for s in cases],
+        0.4,
+        color=rank_color(1),
+        label="peak in forward + backward (measured)",
+    )
     kept = [checkpoint_saved_bytes(layers, batch, d, s) / unit for s in cases]
     peak = [checkpoint_peak_bytes(layers, batch, d, s) / unit for s in cases]
     ax.plot([p - 0.2 for p in pos], kept, "k_", ms=22, mew=2, label="formula: kept (L/s)")
@@ -44,8 +54,11 @@ def mixed_precision_loop_figure():
     low, high = "#cfe3f3", "#f6dfb5"  # 16-bit, 32-bit
 
     def box(x, y, text, color, w, h=0.8):
-        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.04",
-                                    facecolor=color, edgecolor="#555555"))  # fmt: skip
+        ax.add_patch(
+            FancyBboxPatch(
+                (x, y), w, h, boxstyle="round,pad=0.04", facecolor=color, edgecolor="#555555"
+            )
+        )
         ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8.5)
         return x, y, w, h
 
@@ -68,17 +81,38 @@ def mixed_precision_loop_figure():
     box(xs[0], bottom, "optimizer update\nin fp32: w -= lr·g", high, w)
     for i in range(3):
         arrow((xs[i] + w, top + 0.4), (xs[i + 1], top + 0.4), "cast" if i == 0 else None, dy=0.1)
-        arrow((xs[i + 1], bottom + 0.4), (xs[i] + w, bottom + 0.4),
-              "finite" if i == 0 else None, dy=0.1)  # fmt: skip
+        arrow(
+            (xs[i + 1], bottom + 0.4),
+            (xs[i] + w, bottom + 0.4),
+            "finite" if i == 0 else None,
+            dy=0.1,
+        )
     arrow((xs[3] + w / 2, top), (xs[3] + w / 2, bottom + 0.8))
     arrow((xs[0] + w / 2, bottom + 0.8), (xs[0] + w / 2, top))
     legend_x = xs[3] + w + 0.5
-    ax.text(legend_x, 2.9, "16-bit", fontsize=8, va="center",
-            bbox={"facecolor": low, "edgecolor": "#555555"})  # fmt: skip
-    ax.text(legend_x, 2.3, "32-bit", fontsize=8, va="center",
-            bbox={"facecolor": high, "edgecolor": "#555555"})  # fmt: skip
-    ax.text(legend_x, 1.1, "S: loss scale\n(fp16; bf16 has\nfp32's range and\nneeds none)",
-            fontsize=8, va="center")  # fmt: skip
+    ax.text(
+        legend_x,
+        2.9,
+        "16-bit",
+        fontsize=8,
+        va="center",
+        bbox={"facecolor": low, "edgecolor": "#555555"},
+    )
+    ax.text(
+        legend_x,
+        2.3,
+        "32-bit",
+        fontsize=8,
+        va="center",
+        bbox={"facecolor": high, "edgecolor": "#555555"},
+    )
+    ax.text(
+        legend_x,
+        1.1,
+        "S: loss scale\n(fp16; bf16 has\nfp32's range and\nneeds none)",
+        fontsize=8,
+        va="center",
+    )
     ax.set_xlim(-0.2, legend_x + 1.9)
     ax.set_ylim(0.2, 3.6)
     ax.axis("off")

@@ -22,20 +22,29 @@ def draw_ranks(infos: list[dict], ax=None, title: str | None = None):
         x0 = n * (per_node * box + gap)
         ax.add_patch(
             FancyBboxPatch(
-                (x0, 0), per_node * box - 0.1, 1.9, boxstyle="round,pad=0.05",
-                facecolor="#f4f4f4", edgecolor="#555555",
+                (x0, 0),
+                per_node * box - 0.1,
+                1.9,
+                boxstyle="round,pad=0.05",
+                facecolor="#f4f4f4",
+                edgecolor="#555555",
             )
-        )  # fmt: skip
+        )
         ax.text(x0 + (per_node * box - 0.1) / 2, 1.7, f"node {node}", ha="center", weight="bold")
     for info in infos:
         x = nodes.index(info["node_rank"]) * (per_node * box + gap) + info["local_rank"] * box
         color = rank_color(info["rank"])
         ax.add_patch(
             FancyBboxPatch(
-                (x + 0.08, 0.15), box - 0.36, 1.25, boxstyle="round,pad=0.02",
-                facecolor=color, edgecolor="black", alpha=0.9,
+                (x + 0.08, 0.15),
+                box - 0.36,
+                1.25,
+                boxstyle="round,pad=0.02",
+                facecolor=color,
+                edgecolor="black",
+                alpha=0.9,
             )
-        )  # fmt: skip
+        )
         label = f"rank {info['rank']}\nlocal {info['local_rank']}\nnode {info['node_rank']}"
         ax.text(x + box / 2 - 0.1, 0.77, label, ha="center", va="center", fontsize=9)
     ax.set_xlim(-0.2, len(nodes) * (per_node * box + gap) - gap + 0.1)

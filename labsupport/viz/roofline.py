@@ -9,8 +9,9 @@ from labsupport.estimate.roofline import arithmetic_intensity, ridge_point, roof
 from labsupport.viz.style import figure, rank_color, subplots
 
 
-def draw_roofline(ceilings: list[dict], kernels: list[dict] = (), ax=None, title=None,
-                  intensities=(1 / 64, 4096)):  # fmt: skip
+def draw_roofline(
+    ceilings: list[dict], kernels: list[dict] = (), ax=None, title=None, intensities=(1 / 64, 4096)
+):
     """Rooflines on log-log axes, with measured kernels placed under them.
 
     ``ceilings``: dicts with ``label``, ``peak_flops`` and ``bandwidth`` (and optionally
@@ -24,15 +25,29 @@ def draw_roofline(ceilings: list[dict], kernels: list[dict] = (), ax=None, title
     x = np.geomspace(*intensities, 400)
     for i, c in enumerate(ceilings):
         color = c.get("color", rank_color(i))
-        ax.plot(x, roofline(c["peak_flops"], c["bandwidth"], x) / 1e9, color=color,
-                ls=c.get("ls", "-"), lw=1.8, label=c["label"])  # fmt: skip
+        ax.plot(
+            x,
+            roofline(c["peak_flops"], c["bandwidth"], x) / 1e9,
+            color=color,
+            ls=c.get("ls", "-"),
+            lw=1.8,
+            label=c["label"],
+        )
         ridge = ridge_point(c["peak_flops"], c["bandwidth"])
         if intensities[0] <= ridge <= intensities[1]:
             ax.plot(ridge, c["peak_flops"] / 1e9, "o", color=color, ms=5)
     markers = "sD^v<>p*"
     for j, k in enumerate(kn for kn in kernels if kn["flop_per_s"] > 0):
-        ax.plot(k["intensity"], k["flop_per_s"] / 1e9, markers[j % len(markers)],
-                color="black", mfc="white", ms=7, mew=1.4, label=k["label"])  # fmt: skip
+        ax.plot(
+            k["intensity"],
+            k["flop_per_s"] / 1e9,
+            markers[j % len(markers)],
+            color="black",
+            mfc="white",
+            ms=7,
+            mew=1.4,
+            label=k["label"],
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ticks = [2.0**e for e in range(-8, 16, 2) if intensities[0] <= 2.0**e <= intensities[1]]
@@ -59,26 +74,36 @@ def datasheet_rooflines():
     )
     for ax, key, itemsize, title in panels:
         ceilings = [
-            {"label": e["name"], "peak_flops": e[key], "bandwidth": e["bandwidth"],
-             "color": rank_color(i), "ls": "--" if e["kind"] == "CPU" else "-"}
+            {
+                "label": e["name"],
+                "peak_flops": e[key],
+                "bandwidth": e["bandwidth"],
+                "color": rank_color(i),
+                "ls": "--" if e["kind"] == "CPU" else "-",
+            }
             for i, e in enumerate(DEVICES.values())
             if e[key] is not None
-        ]  # fmt: skip
+        ]
         draw_roofline(ceilings, ax=ax, title=title, intensities=(1 / 32, 8192))
         marks = [
             ("add", arithmetic_intensity("add", numel=1, itemsize=itemsize)),
-            ("matmul 1024³", arithmetic_intensity("matmul", m=1024, k=1024, n=1024,
-                                                  itemsize=itemsize)),
-        ]  # fmt: skip
+            (
+                "matmul 1024³",
+                arithmetic_intensity("matmul", m=1024, k=1024, n=1024, itemsize=itemsize),
+            ),
+        ]
         for name, intensity in marks:
             ax.axvline(intensity, color="#999999", lw=1, ls=":")
-            ax.text(intensity * 1.12, 3, f"{name}\n{intensity:.3g} FLOP/B", fontsize=8,
-                    color="#555555")  # fmt: skip
+            ax.text(
+                intensity * 1.12, 3, f"{name}\n{intensity:.3g} FLOP/B", fontsize=8, color="#555555"
+            )
         ax.set_ylim(1, 3e6)
         ax.legend(fontsize=8, loc="upper left", frameon=False)
     right.set_ylabel("")
-    fig.suptitle("Rooflines from datasheets: min(peak FLOP/s, bandwidth × intensity); "
-                 "dots are ridge points", fontsize=11)  # fmt: skip
+    fig.suptitle(
+        "Rooflines from datasheets: min(peak FLOP/s, bandwidth × intensity); dots are ridge points",
+        fontsize=11,
+    )
     fig.tight_layout()
     return fig
 
@@ -99,7 +124,9 @@ def memory_hierarchy():
         ax.set_xticks([1e6, 1e9, 1e12], ["1 MB", "1 GB", "1 TB"])
         ax.set_title(device)
         ax.set_xlabel("capacity (bytes, log scale)")
-    fig.suptitle("The memory hierarchy: each level down is larger and slower "
-                 "(fastest at the top)", fontsize=11)  # fmt: skip
+    fig.suptitle(
+        "The memory hierarchy: each level down is larger and slower (fastest at the top)",
+        fontsize=11,
+    )
     fig.tight_layout()
     return fig

@@ -33,8 +33,16 @@ def memory_breakdown_figure(models=None, gpu: str = "H100 SXM"):
     for ax, (label, n) in zip(np.atleast_1d(axes), models.items(), strict=True):
         bottom = 0.0
         for part, nbytes in training_memory(n).items():
-            ax.bar(0, nbytes / GB, bottom=bottom, width=0.6, color=PART_COLORS[part],
-                   edgecolor="black", linewidth=0.5, label=part)  # fmt: skip
+            ax.bar(
+                0,
+                nbytes / GB,
+                bottom=bottom,
+                width=0.6,
+                color=PART_COLORS[part],
+                edgecolor="black",
+                linewidth=0.5,
+                label=part,
+            )
             bottom += nbytes / GB
         ax.axhline(limit, color="black", ls="--", lw=1)
         ax.text(0.33, limit, f" one {short}: {limit:.0f} GB", va="bottom", fontsize=8)
@@ -69,13 +77,23 @@ def time_to_train_figure(model: str = "GPT-3 175B", gpu: str = "A100 SXM 80GB", 
     cross = crossover_devices(spec["batch_tokens"], peak * ASSUMED_MFU, bandwidth)
     fig, ax = figure(7.5, 3.8)
     ax.plot(devices, compute, color=rank_color(0), lw=2, label="compute")
-    ax.plot(devices, communication, color=rank_color(1), lw=2,
-            label="gradient all-reduce (ring)")  # fmt: skip
-    ax.plot(devices, compute + communication, color="black", lw=1.2, ls="--",
-            label="total, without overlap")  # fmt: skip
+    ax.plot(devices, communication, color=rank_color(1), lw=2, label="gradient all-reduce (ring)")
+    ax.plot(
+        devices,
+        compute + communication,
+        color="black",
+        lw=1.2,
+        ls="--",
+        label="total, without overlap",
+    )
     ax.axvline(cross, color="#999999", lw=1, ls=":")
-    ax.text(cross * 1.08, compute.max() / 3, f"communication\ndominates beyond\n"
-            f"~{cross:,.0f} GPUs", fontsize=8, color="#555555")  # fmt: skip
+    ax.text(
+        cross * 1.08,
+        compute.max() / 3,
+        f"communication\ndominates beyond\n~{cross:,.0f} GPUs",
+        fontsize=8,
+        color="#555555",
+    )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel(f"number of {short} GPUs (data parallel)")
