@@ -43,7 +43,16 @@ def server(tmp_path_factory):
     work = home / "labs"
     shutil.copytree(LABS, work, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     port, token = free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), HOME=str(home))
+    settings = home / "settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    # render every cell, not only those in view, so the test can find any cell's output
+    (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(home / "config"),
+        JUPYTERLAB_SETTINGS_DIR=str(home / "settings"),
+        HOME=str(home),
+    )
     env.pop("LABSUPPORT_THREADS", None)
     command = [
         sys.executable, "-m", "jupyterlab", "--no-browser",
@@ -82,10 +91,8 @@ def open_notebook(browser, server, name: str):
     page.goto(f"{server['url']}/lab/tree/{name}?token={server['token']}")
     page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget")
     page.wait_for_function(
-        "() => { const w = window.jupyterapp.shell.currentWidget;"
-        " return w && w.sessionContext && w.sessionContext.session"
-        " && w.sessionContext.session.kernel"
-        " && w.sessionContext.session.kernel.status === 'idle'; }",
+        "() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel"
+        "?.status === 'idle'",
         timeout=120_000,
     )
     return page
@@ -96,22 +103,28 @@ def command(page, name: str, args: dict | None = None) -> None:
     page.evaluate("([n, a]) => { window.jupyterapp.commands.execute(n, a); }", [name, args or {}])
 
 
-def kernel_status(page) -> str:
-    return page.evaluate(
-        "() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status"
-    )
-
-
 def wait_idle(page, timeout: float) -> None:
-    """Wait until the kernel has been busy and is idle again with nothing queued."""
-    page.wait_for_function(
+    """Wait until Run All has finished: the kernel idle, no cell queued or running, for
+    two seconds in a row (between two cells the kernel is idle for a moment)."""
+    snapshot = (
         "() => { const w = window.jupyterapp.shell.currentWidget;"
-        " const k = w.sessionContext.session.kernel;"
-        " const cells = w.content.widgets;"
-        " return k.status === 'idle' && cells.every(c => c.model.type !== 'code'"
-        " || !c.promptNode || !c.promptNode.textContent.includes('*')); }",
-        timeout=timeout * 1000,
+        " const k = w?.sessionContext?.session?.kernel;"
+        " const code = w.content.widgets.filter(c => c.model.type === 'code');"
+        " return {idle: k?.status === 'idle',"
+        " queued: code.some(c => (c.promptNode?.textContent || '').includes('*')),"
+        " ran: code.filter(c => c.model.executionCount).length}; }"
     )
+    deadline, quiet_since = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        state = page.evaluate(snapshot)
+        if state["idle"] and not state["queued"] and state["ran"]:
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since > 2:
+                return
+        else:
+            quiet_since = None
+        time.sleep(0.25)
+    raise AssertionError(f"Run All did not finish within {timeout} s: {state}")
 
 
 def saved_cells(page, server, name: str) -> list:
