@@ -138,10 +138,26 @@ def test_step_times_and_the_crossover():
     )
 
 
+def test_llama3_batches_are_the_paper_s_first_and_final():
+    # Llama 3 paper, section 3.4.1: "an initial batch size of 4M tokens and sequences of
+    # length 4,096", doubled twice, "to 16M after pre-training on 2.87T tokens"
+    assert walls.BATCH_TOKENS == 1024 * 4096 == 4 * 2**20
+    final = datasheets.MODELS["Llama 3 405B"]["batch_tokens"]
+    assert final == 4 * walls.BATCH_TOKENS
+    # table 4, on 16,384 GPUs: 128 data-parallel groups of 16 sequences of 8,192 tokens
+    assert final == 128 * 16 * 8192
+
+
 def test_which_wall_binds():
     assert walls.walls(405e9, 15.6e12, 16384, 50e9)["binds"] == "memory"
     assert walls.walls(405e9, 15.6e12, 16384, 50e9, sharded=True)["binds"] == "communication"
     assert walls.walls(7e9, 2e12, 512, 50e9, sharded=True)["binds"] == "compute"
+    # beyond the sharded crossover, 1 + B·bw/F = 531 GPUs for the first batch, whatever
+    # the model; the final batch, four times larger, moves it to 2,121
+    assert walls.walls(70e9, 15e12, 2048, 50e9, sharded=True)["binds"] == "communication"
+    final = datasheets.MODELS["Llama 3 405B"]["batch_tokens"]
+    w = walls.walls(70e9, 15e12, 2048, 50e9, sharded=True, batch_tokens=final)
+    assert w["binds"] == "compute"
     w = walls.walls(1e9, 1e12, 8, 450e9)
     assert w["binds"] == "compute"  # 16 GB fits in an H100's 80 GB
     assert w["device_memory"] == 80e9 and w["state_bytes_per_device"] == 16e9

@@ -385,6 +385,8 @@ MODELS = {
         "hidden": 16384,
         "heads": 128,
         "seq_len": 8192,
+        # the final batch, from 2.87T tokens on: "16M" = 128 data-parallel groups x 16
+        # sequences of 8,192 (section 3.4.1, table 4); the first is walls.BATCH_TOKENS, 4M
         "batch_tokens": 16 * 1024 * 1024,
         "reported_flops": 3.8e25,
         "source": "Grattafiori et al. 2024, sections 1 and 3",

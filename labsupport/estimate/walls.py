@@ -20,7 +20,12 @@ from labsupport.estimate.flops import SECONDS_PER_DAY, training_flops
 from labsupport.estimate.memory import training_memory
 from labsupport.estimate.units import GB
 
-BATCH_TOKENS = 4 * 1024 * 4096  # Llama 3 405B's first batch: 1,024 sequences of 4,096
+BATCH_TOKENS = 1024 * 4096
+"""Llama 3 405B's *first* global batch: 1,024 sequences of 4,096 tokens, the paper's "4M"
+(4 x 2^20 = 4,194,304 tokens; Grattafiori et al. 2024, section 3.4.1). The paper doubles it
+to 8M tokens in sequences of 8,192 after 252M tokens, and to 16M after 2.87T tokens: that
+*final* batch, four times this one, is ``datasheets.MODELS["Llama 3 405B"]["batch_tokens"]``.
+The smallest batch is the one at which communication binds soonest."""
 
 
 def step_times(
