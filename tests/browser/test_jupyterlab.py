@@ -86,13 +86,14 @@ def server(tmp_path_factory):
 
 
 def open_notebook(browser, server, name: str):
-    """A page with notebook ``name`` open, its kernel idle."""
+    """A page with notebook ``name`` open (a fresh workspace: ``?reset``), kernel idle."""
     page = browser.new_page(viewport={"width": 1400, "height": 900})
-    page.goto(f"{server['url']}/lab/tree/{name}?token={server['token']}")
-    page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget")
+    page.goto(f"{server['url']}/lab/tree/{name}?reset&token={server['token']}")
     page.wait_for_function(
-        "() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel"
+        "(name) => window.jupyterapp?.shell.currentWidget?.context?.path === name"
+        " && window.jupyterapp.shell.currentWidget.sessionContext?.session?.kernel"
         "?.status === 'idle'",
+        arg=name,
         timeout=120_000,
     )
     return page
@@ -133,7 +134,14 @@ def saved_cells(page, server, name: str) -> list:
     page.wait_for_function(
         "() => !window.jupyterapp.shell.currentWidget.context.model.dirty", timeout=30_000
     )
-    return nbformat.read(server["work"] / name, as_version=4).cells
+    deadline = time.monotonic() + 30
+    while True:  # the server may still be writing the file
+        try:
+            return nbformat.read(server["work"] / name, as_version=4).cells
+        except (nbformat.reader.NotJSONError, ValueError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -279,7 +287,11 @@ def test_lab_3_widget_answers_its_slider(browser, server):
     cells = saved_cells(page, server, "03-walls.ipynb")
     assert errors(cells) == []
     report = page.locator(".widget-html-content pre").first
-    report.wait_for(timeout=30_000)
+    try:
+        report.wait_for(timeout=30_000)
+    except Exception:
+        page.screenshot(path=str(server["work"].parent / "lab3.png"), full_page=True)
+        raise
     before = report.inner_text()
     slider = page.locator(".widget-slider .ui-slider-handle, .widget-slider .noUi-handle").nth(2)
     slider.focus()
