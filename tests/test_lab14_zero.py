@@ -1,0 +1,98 @@
+"""Lab 14, ZeRO and FSDP: memory and traffic rows on real ranks against the formulas,
+activations against states, FSDP2's full state dict on rank 0 only, and the exercises'
+checkers against the notebook's worked solutions and wrong answers. (DeepSpeed is in
+tests/test_parallel_zero_deepspeed.py, ZeRO itself in tests/test_parallel_zero.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from notebook_solutions import solution, stub
+
+from labsupport import launch
+from labsupport.estimate.memory import training_memory
+from labsupport.labs import lab14_frameworks, lab14_zero
+
+LAB = "14-zero.ipynb"
+
+
+def test_memory_and_traffic_rows_on_two_ranks():
+    runs = {2: launch(lab14_zero.zero_runs, 2, timeout=300)}
+    rows = lab14_zero.memory_rows(runs)
+    assert [(r["ranks"], r["stage"]) for r in rows] == [(2, 1), (2, 2), (2, 3)]
+    for row in rows:  # 9,522 is even: no padding on 2 ranks
+        assert row["parameters"] == row["formula p"]
+        assert row["optimizer"] == row["formula o"]
+        assert row["gradients"] == row["formula g"]  # stage 1 keeps them whole, as counted
+    for row in lab14_zero.traffic_rows(runs[2], world=2):
+        assert row["bytes sent"] == row["formula"]
+        assert row["calls"] == (9 if row["stage"] == 3 else 2)
+
+
+def test_activations_grow_with_the_micro_batch_and_states_do_not():
+    rows = lab14_zero.states_and_activations(batches=(1, 4), world=4)
+    numel = 9522
+    for row in rows:
+        for stage in range(4):
+            want = sum(training_memory(numel, "fp32", stage, 4).values())
+            assert row[f"states, stage {stage}"] == round(want)
+    assert 3.5 < rows[1]["activations"] / rows[0]["activations"] < 4.5
+
+
+def test_fsdp2_trains_like_adam_and_gathers_the_full_state_on_rank_0_only():
+    reference = lab14_zero.plain_adam()
+    results = launch(lab14_frameworks.train_fsdp2, 2, timeout=300)
+    numel = sum(p.numel() for p in reference["params"].values())
+    for r in results:
+        assert r["losses"] == pytest.approx(reference["losses"], abs=lab14_zero.LOSS_TOL)
+        for name, want in reference["params"].items():
+            torch.testing.assert_close(r["params"][name], want, **lab14_zero.PARAM_TOL)
+    assert results[0]["full_state_dict_bytes"] >= 12 * numel
+    assert results[1]["full_state_dict_bytes"] == 0
+    assert sum(r["sharded_weight_bytes"] for r in results) >= 4 * numel
+
+
+@pytest.mark.parametrize(
+    ("check", "name"),
+    [
+        (lab14_zero.check_state_bytes, "state_bytes"),
+        (lab14_zero.check_traffic, "traffic"),
+        (lab14_zero.check_min_ranks, "min_ranks"),
+    ],
+)
+def test_checkers_accept_the_solutions_and_say_not_attempted_to_the_stub(check, name, capsys):
+    assert check(solution(LAB, name))
+    assert "Correct" in capsys.readouterr().out
+    assert not check(stub(name))
+    assert "Not attempted yet" in capsys.readouterr().out
+
+
+def test_state_bytes_checker_rejects_sharding_everything_and_sharding_nothing():
+    with pytest.raises(AssertionError, match="which states stay whole"):
+        lab14_zero.check_state_bytes(lambda n, stage, dp: 16 * n / dp if stage else 16 * n)
+    with pytest.raises(AssertionError, match="divides some"):
+        lab14_zero.check_state_bytes(lambda n, stage, dp: 16 * n)
+
+
+def test_traffic_checker_rejects_whole_tensors_and_one_gather():
+    with pytest.raises(AssertionError, match=r"\(N-1\)/N"):
+        lab14_zero.check_traffic(lambda n, stage, dp, e: (3 if stage == 3 else 2) * n * e)
+    with pytest.raises(AssertionError, match="twice"):
+        lab14_zero.check_traffic(lambda n, stage, dp, e: 2 * n * e * (dp - 1) / dp)
+
+
+def test_min_ranks_checker_rejects_rounding_down_and_ignoring_what_stays_whole():
+    def round_down(n, stage, memory):
+        whole = {0: 16, 1: 4, 2: 2, 3: 0}[stage]
+        room = memory - whole * n
+        return None if room <= 0 else max(1, math.floor((16 - whole) * n / room))
+
+    def all_sharded(n, stage, memory):
+        return math.ceil(16 * n / memory)
+
+    with pytest.raises(AssertionError, match="round up"):
+        lab14_zero.check_min_ranks(round_down)
+    with pytest.raises(AssertionError, match="stays whole"):
+        lab14_zero.check_min_ranks(all_sharded)
