@@ -18,6 +18,7 @@ from labsupport.labs import lab04_checkpointing, lab07_collectives
 from labsupport.labs.lab06_launching import global_rank
 from labsupport.models import MLPStack
 from labsupport.viz import clusters, collectives, dtypes, one_device, ranks, roofline, walls
+from labsupport.viz import sharding as sharding_figures
 from labsupport.viz.style import subplots
 
 
@@ -73,6 +74,9 @@ FIGURES = {
     "04-checkpointing.png": checkpoint_memory,
     "01-roofline.png": roofline.datasheet_rooflines,
     "01-hierarchy.png": roofline.memory_hierarchy,
+    "13-mesh.png": sharding_figures.mesh_orders_figure,
+    "13-planner.png": sharding_figures.published_breakdown_figure,
+    "14-zero.png": sharding_figures.zero_memory_figure,
 }
 
 

@@ -7,6 +7,7 @@ import numpy as np
 from matplotlib.patches import FancyBboxPatch
 
 from labsupport.estimate.memory import training_memory
+from labsupport.estimate.published import PUBLISHED, check
 from labsupport.estimate.units import GB
 from labsupport.parallel.parallel_state import Mesh
 from labsupport.viz.style import rank_color, subplots
@@ -187,3 +188,13 @@ def step_breakdown_figure(results: dict):
     ax.legend(fontsize=8, frameon=False, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     fig.tight_layout()
     return fig
+
+
+def published_breakdown_figure():
+    """Chapter 13: :func:`step_breakdown_figure` for the published runs of
+    :mod:`labsupport.estimate.published`, as published."""
+    results = {}
+    for entry in PUBLISHED:
+        dp, tp, pp = entry["layout"].mesh
+        results[f"{entry['model']}\n{dp} x {tp} x {pp}"] = check(entry)["published"]
+    return step_breakdown_figure(results)
