@@ -44,6 +44,14 @@ def test_recompute_flops_are_the_textbook_s_less_what_pytorch_need_not_recompute
     assert counted["checkpointed"] / counted["plain"] == pytest.approx(4 / 3 - 1 / (6 * segment))
 
 
+@pytest.mark.parametrize("segment", [1, 2])
+def test_without_early_stop_the_recomputation_is_the_textbook_s(segment):
+    """set_checkpoint_early_stop(False) reruns each segment whole: 4/3 of the FLOPs."""
+    stack, x = MLPStack(4, 16), torch.randn(8, 16, requires_grad=True)
+    counted = lab04_checkpointing.recompute_flops(stack, x, segment, early_stop=False)
+    assert counted["checkpointed"] * 3 == counted["plain"] * 4
+
+
 def test_recompute_ratio_times_a_step_that_reruns_the_forward(monkeypatch):
     """The timing itself is side_by_side's (tests/test_measure.py); here, that the
     checkpointed step really runs each block's forward twice, for the same gradients."""

@@ -194,10 +194,20 @@ def test_gradscaler_skips_step_and_halves_scale_on_overflow():
     ]  # a safe scale: a real step
 
 
-def test_largest_safe_scale():
-    assert lab04_one_device.largest_safe_scale(1.0) == 2.0**15  # 2^15 <= 65504 < 2^16
-    assert lab04_one_device.largest_safe_scale(65504.0) == 1.0
-    assert lab04_one_device.largest_safe_scale(2.0**-20) == 2.0**35
+def test_best_segment_length_minimizes_chen_s_peak():
+    # the lab's stack, 16 blocks of 9 units: 16 + 9 = 25 at c = 1, 8 + 18 = 26 at c = 2
+    assert lab04_one_device.checkpoint_peak_units(16, 9, 1) == 25
+    assert lab04_one_device.best_segment_length(16, 9) == 1
+    # GPT-3: 96 layers that save 57 times their input (Korthikanti et al.): every layer
+    assert lab04_one_device.best_segment_length(96, 57) == 1
+    # sqrt(L) segments when a block saves one unit: 100 -> 10, at a peak of 20
+    assert lab04_one_device.best_segment_length(100, 1) == 10
+    # 1,000 blocks: peaks of 64 for c = 28 to 36; the shortest wins, not round(sqrt(1000))
+    peaks = {c: lab04_one_device.checkpoint_peak_units(1000, 1, c) for c in range(26, 40)}
+    assert min(peaks.values()) == 64 and [c for c, p in peaks.items() if p == 64] == list(
+        range(28, 37)
+    )
+    assert lab04_one_device.best_segment_length(1000, 1) == 28
 
 
 # --------------------------------------------------------------------------- exercises
@@ -255,16 +265,26 @@ def test_check_saved_bytes(capsys):
         lab04_one_device.check_saved_bytes(lambda L, b, d, s: math.ceil(L / s) * b * d)
 
 
-def test_check_loss_scale(capsys):
-    lab04_one_device.check_loss_scale(stub("safe_scale"))
-    assert capsys.readouterr().out.startswith("Not attempted yet")
-    assert lab04_one_device.check_loss_scale(solution(LAB, "safe_scale"))
+def _rounded_square_root(layers, units):  # the mistake: the continuous optimum, rounded
+    return max(1, round(math.sqrt(layers / units)))
+
+
+def _longest_of_equal_peaks(layers, units):  # the mistake: the last of equal peaks
+    peaks = [math.ceil(layers / c) + units * c for c in range(1, layers + 1)]
+    return max(c for c in range(1, layers + 1) if peaks[c - 1] == min(peaks))
+
+
+def test_check_best_segment(capsys):
+    assert not lab04_one_device.check_best_segment(stub("best_segment"))
+    assert capsys.readouterr().out.startswith("Not attempted yet: write the body of best_segment()")
+    assert lab04_one_device.check_best_segment(solution(LAB, "best_segment"))
     said = capsys.readouterr().out
-    assert said.startswith("Correct: ") and "log2" not in said and "floor" not in said
-    assert not lab04_one_device.check_loss_scale(stub("safe_scale"))
-    with pytest.raises(AssertionError, match="overflows"):
-        lab04_one_device.check_loss_scale(lambda g: 2.0 ** math.ceil(math.log2(65504 / g)))
-    with pytest.raises(AssertionError, match="power of two"):
-        lab04_one_device.check_loss_scale(lambda g: 65504 / g)
-    with pytest.raises(AssertionError):  # fp16's smallest normal instead of its largest
-        lab04_one_device.check_loss_scale(lambda g: 2.0 ** math.floor(math.log2(2**-14 / g)))
+    assert said.startswith("Correct: ") and "ceil" not in said and "min(" not in said
+    with pytest.raises(AssertionError, match="shorter segment"):
+        lab04_one_device.check_best_segment(_rounded_square_root)
+    with pytest.raises(AssertionError, match="shorter segment"):
+        lab04_one_device.check_best_segment(_longest_of_equal_peaks)
+    with pytest.raises(AssertionError, match="peaks lower"):  # units per block forgotten
+        lab04_one_device.check_best_segment(lambda layers, units: _rounded_square_root(layers, 1))
+    with pytest.raises(AssertionError, match="whole number"):
+        lab04_one_device.check_best_segment(lambda layers, units: math.sqrt(layers / units))

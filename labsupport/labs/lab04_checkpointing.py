@@ -11,6 +11,7 @@ is counted in FLOPs (:func:`recompute_flops`) and timed (:func:`recompute_ratio`
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from labsupport.measure.flops import count_flops
 from labsupport.measure.memory import LiveMemory, saved_tensors
@@ -50,13 +51,20 @@ def training_step(stack: MLPStack, x, segment: int | None = None) -> None:
     stack(x, segment).sum().backward()
 
 
-def recompute_flops(stack: MLPStack, x, segment: int = 1) -> dict:
+def recompute_flops(stack: MLPStack, x, segment: int = 1, early_stop: bool = True) -> dict:
     """FLOPs of a plain training step and of a checkpointed one, counted while they run
-    (:func:`labsupport.measure.flops.count_flops`): the recomputed forwards show up."""
-    return {
-        "plain": count_flops(training_step, stack, x),
-        "checkpointed": count_flops(training_step, stack, x, segment),
-    }
+    (:func:`labsupport.measure.flops.count_flops`): the recomputed forwards show up.
+
+    ``early_stop`` is PyTorch's default: the non-reentrant checkpoint stops recomputing a
+    segment as soon as backward has every tensor it needs. ``early_stop=False``
+    (:func:`torch.utils.checkpoint.set_checkpoint_early_stop`) recomputes each segment
+    whole, as the reentrant implementation always does.
+    """
+    with set_checkpoint_early_stop(early_stop):
+        return {
+            "plain": count_flops(training_step, stack, x),
+            "checkpointed": count_flops(training_step, stack, x, segment),
+        }
 
 
 def recompute_ratio(stack: MLPStack, x, segment: int = 1, rounds: int = 9) -> dict:
@@ -78,6 +86,7 @@ def recompute_ratio(stack: MLPStack, x, segment: int = 1, rounds: int = 9) -> di
 
 #: The textbook's cost of recomputation (Chen et al. 2016): backward costs about twice the
 #: forward, so fwd+bwd = 3 forwards, and recomputing every forward adds one. PyTorch's
-#: checkpoint stops a segment's recomputation once backward has every tensor it needs,
-#: which saves an :class:`MLPStack` segment's last matmul: 4/3 - 1/(6·segment) in FLOPs.
+#: non-reentrant checkpoint stops a segment's recomputation once backward has every tensor
+#: it needs (its default, ``early_stop=True``), which saves an :class:`MLPStack` segment's
+#: last matmul: 4/3 - 1/(6·segment) in FLOPs; without early stopping it is 4/3.
 RECOMPUTE_PREDICTION = 4 / 3

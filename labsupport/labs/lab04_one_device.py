@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labsupport.estimate.dtypes import FORMATS
 from labsupport.labs.cells import exercise
 from labsupport.labs.lab04_checkpointing import saved_bytes
 from labsupport.launch.progress import progress
@@ -168,8 +167,6 @@ def data_parallel_training(
 
 
 # --------------------------------------------------------------------------- mixed precision
-
-FP16_MAX = FORMATS["fp16"].max  # 65504
 
 
 def rounding_error(x: torch.Tensor, dtype) -> float:
@@ -348,21 +345,41 @@ def check_saved_bytes(fn) -> str:
     return f"{len(cases)} stacks and segment sizes, byte for byte against the forward"
 
 
-def largest_safe_scale(max_grad: float) -> float:
-    """The largest power of two ``S`` with ``max_grad · S <= 65504`` (fp16's largest)."""
-    return 2.0 ** math.floor(math.log2(FP16_MAX / max_grad))
+def checkpoint_peak_units(layers: int, units_per_block: float, segment: int) -> float:
+    """Chen et al.'s peak, in units of one block's input: ``ceil(L/c) + m·c`` for segments
+    of ``c`` blocks that each save ``m`` units (the kept segment inputs, plus the segment
+    backward is rebuilding)."""
+    return math.ceil(layers / segment) + units_per_block * segment
+
+
+def best_segment_length(layers: int, units_per_block: float) -> int:
+    """The segment length ``c`` (1 to ``layers``) with the smallest
+    :func:`checkpoint_peak_units`; of equal peaks, the shortest, which recomputes least
+    (exercise 3's answer, for its checker)."""
+    return min(
+        range(1, layers + 1), key=lambda c: checkpoint_peak_units(layers, units_per_block, c)
+    )
 
 
 @exercise
-def check_loss_scale(fn) -> str:
-    """Exercise 3: ``fn(max_grad)`` is the largest power-of-two scale that does not overflow."""
-    cases = (1.0, 1e-3, 3.7e-6, 0.02, 65504.0, 100.0)
-    for max_grad in cases:
-        got, want = fn(max_grad), largest_safe_scale(max_grad)
-        hint = ""
-        if got != want and got == 2 * want:
-            hint = " (that scale overflows: max_grad times it is above 65504)"
-        elif got != want and not math.log2(abs(got) or 1).is_integer():
-            hint = " (a power of two: scaling by it is exact)"
-        assert got == want, f"max_grad={max_grad}: got {got}, expected {want}{hint}"
-    return f"{len(cases)} largest gradients, from 3.7e-6 to 65504: the largest safe power of two"
+def check_best_segment(fn) -> str:
+    """Exercise 3: ``fn(layers, units_per_block)`` is the segment length with the lowest
+    peak, the shortest of equal ones."""
+    cases = [(16, 9), (96, 57), (100, 1), (1000, 1), (50, 2), (7, 1), (64, 4), (1, 5), (3, 100)]
+    for layers, units in cases:
+        got, want = fn(layers, units), best_segment_length(layers, units)
+        label = f"layers={layers}, units_per_block={units}"
+        assert isinstance(got, int) and 1 <= got <= layers, (
+            f"{label}: expected a whole number of blocks from 1 to {layers}, got {got!r}"
+        )
+        peak = checkpoint_peak_units(layers, units, got)
+        best = checkpoint_peak_units(layers, units, want)
+        assert peak == best, (
+            f"{label}: segments of {got} blocks peak at {peak:g} units; another length "
+            f"peaks lower, at {best:g}"
+        )
+        assert got == want, (
+            f"{label}: {got} blocks reach the lowest peak, {best:g} units, but so does a "
+            "shorter segment, which recomputes less"
+        )
+    return f"{len(cases)} stacks, from 1 to 1,000 blocks: the lowest peak, and the shortest segment"
