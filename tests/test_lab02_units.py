@@ -97,6 +97,26 @@ def test_all_reduce_in_dtypes_on_real_ranks():
     assert cases["bf16", 1.0]["relative error"] < 1e-2
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_under_autocast_all_reduces_fp32_unless_a_hook_compresses(world):
+    runs = {
+        compress: launch(lab02_units.ddp_gradient_dtypes, world, kwargs={"compress": compress})
+        for compress in (False, True)
+    }
+    numel = 64 * 256 + 256 + 256 * 8 + 8  # the model's parameters: one bucket
+    for compress, results in runs.items():
+        for r in results:
+            assert r["output dtype"] == "bfloat16"
+            assert r["param dtype"] == r["grad dtype"] == "float32"
+            assert r["buckets"] == [{"dtype": "float32", "numel": numel}]
+            assert r["bf16 numbers"] is compress
+            assert torch.equal(r["grads"], results[0]["grads"])
+    plain, compressed = runs[False][0]["grads"], runs[True][0]["grads"]
+    assert 0 < (compressed - plain).norm() / plain.norm() < 4 * 2**-8
+    # without the hook DDP's average is the fp32 mean of the ranks' gradients
+    assert not torch.equal(plain, plain.bfloat16().float())
+
+
 # --------------------------------------------------------------------------- exercises
 
 

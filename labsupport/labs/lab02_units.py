@@ -158,6 +158,51 @@ def all_reduce_in_dtypes(numel: int = 4096, scale: float = 1e-3, seed: int = 0) 
     return out
 
 
+def ddp_gradient_dtypes(compress: bool = False, seed: int = 0) -> dict:
+    """Run on every rank: one backward of ``DistributedDataParallel`` under bf16 autocast.
+
+    Autocast runs the matmuls in bf16 on bf16 copies of the weights, but the parameters
+    stay fp32, so their gradients are fp32 too, and so is every bucket DDP hands to the
+    all-reduce: 4 bytes per gradient. A communication hook records each bucket's dtype
+    and length, then passes the bucket to one of PyTorch's hooks
+    (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``): ``allreduce_hook``,
+    what DDP does without a hook, or with ``compress`` ``bf16_compress_hook``, which casts
+    the bucket to bf16 for the all-reduce (2 bytes per gradient) and back to fp32 after,
+    so that every gradient it returns is a bf16 number.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = dist.get_rank()
+    torch.manual_seed(seed)  # the same weights on every rank
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).to(device())
+    ddp = DistributedDataParallel(model)
+    pytorch_hook = default_hooks.bf16_compress_hook if compress else default_hooks.allreduce_hook
+    buckets = []
+
+    def recording_hook(state, bucket):
+        buffer = bucket.buffer()
+        buckets.append({"dtype": str(buffer.dtype).removeprefix("torch."), "numel": buffer.numel()})
+        return pytorch_hook(state, bucket)
+
+    ddp.register_comm_hook(None, recording_hook)
+    gen = torch.Generator().manual_seed(seed + 1 + rank)  # this rank's share of the batch
+    x = torch.randn(32, 64, generator=gen).to(device())
+    with torch.autocast(device().type, dtype=torch.bfloat16):
+        out = ddp(x)
+    out.float().pow(2).mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    return {
+        "rank": rank,
+        "output dtype": str(out.dtype).removeprefix("torch."),
+        "param dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "grad dtype": str(grads[0].dtype).removeprefix("torch."),
+        "buckets": buckets,
+        "bf16 numbers": all(torch.equal(g, g.bfloat16().float()) for g in grads),
+        "grads": torch.cat([g.flatten() for g in grads]).cpu(),
+    }
+
+
 @exercise
 def check_untied_gpt_params(fn) -> str:
     """Exercise 1: ``fn(vocab_size, block_size, n_embd, n_layer)`` for a GPT with no biases
