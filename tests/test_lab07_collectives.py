@@ -12,9 +12,9 @@ from labsupport import LaunchError, launch
 from labsupport.labs import lab07_collectives
 
 
-def test_labelled_values_say_which_rank_they_came_from():
-    assert lab07_collectives.labelled(2, 3).tolist() == [20.0, 21.0, 22.0]
-    assert lab07_collectives.labelled(1, 2, start=4).tolist() == [14.0, 15.0]
+def test_labelled_values_are_chapter_7s_running_example():
+    assert lab07_collectives.labelled(0, 4).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert lab07_collectives.labelled(2, 3).tolist() == [100.0, 200.0, 300.0]
     assert set(lab07_collectives.USED_BY) == set(lab07_collectives.PRIMITIVES)
 
 
@@ -28,14 +28,42 @@ def test_each_primitive_matches_torch_on_labelled_data(world_size):
     for name in lab07_collectives.PRIMITIVES:
         per_rank = [r[name] for r in results]
         assert lab07_collectives.agreement(per_rank, name).endswith(f"on all {world_size} ranks")
-    broadcast = [r["broadcast"]["ours"].tolist() for r in results]
-    assert broadcast == [[0.0, 1.0]] * world_size
+    x0 = [float(j + 1) for j in range(world_size)]  # rank 0's values: 1, 2, ...
+    assert [r["broadcast"]["ours"].tolist() for r in results] == [x0] * world_size
+    assert [r["scatter"]["ours"].tolist() for r in results] == [[v] for v in x0]
+    diagonal = [(r + 1) * 10.0**r for r in range(world_size)]  # piece r of rank r's values
+    assert [r["all_gather"]["ours"].tolist() for r in results] == [diagonal] * world_size
+    assert results[0]["gather"]["ours"].tolist() == diagonal
+    ones = sum(10.0**r for r in range(world_size))  # 11, 111, 1111: a digit per rank
+    total = [(j + 1) * ones for j in range(world_size)]
+    assert [r["all_reduce"]["ours"].tolist() for r in results] == [total] * world_size
+    assert results[0]["reduce"]["ours"].tolist() == total
+    assert [r["reduce_scatter"]["ours"].tolist() for r in results] == [[t] for t in total]
     all_to_all = [r["all_to_all"]["ours"].tolist() for r in results]
-    assert all_to_all[1] == [10.0 * j + 1 for j in range(world_size)]
-    total = sum(10.0 * r for r in range(world_size))  # rank r holds 10 r and 10 r + 1
-    assert [r["all_reduce"]["ours"].tolist() for r in results] == [
-        [total, total + world_size]
-    ] * world_size
+    assert all_to_all[1] == [2 * 10.0**r for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_the_bytes_each_collective_sends_are_chapter_7s_table(world_size):
+    nbytes = 4 * world_size * 8  # 8 float32 values per piece
+    counted = launch(lab07_collectives.bytes_per_collective, world_size, args=(nbytes,))
+    for name in lab07_collectives.PRIMITIVES:
+        table = [
+            lab07_collectives.table_bytes(name, r, world_size, nbytes) for r in range(world_size)
+        ]
+        assert [counted[r][name][0] for r in range(world_size)] == table, name
+    piece = nbytes // world_size
+    if world_size == 4:  # the root's 2 children; rank 1's child 3
+        assert [counted[r]["broadcast"] for r in range(4)] == [
+            (2 * nbytes, 2),
+            (nbytes, 1),
+            (0, 0),
+            (0, 0),
+        ]
+    assert counted[1]["all_to_all"] == ((world_size - 1) * piece, world_size - 1)
+    assert counted[0]["all_reduce"][1] == 2 * (world_size - 1)  # messages of the ring
+    with pytest.raises(ValueError, match="name must be one of"):
+        lab07_collectives.table_bytes("allreduce", 0, 4, nbytes)
 
 
 def test_agreement_raises_on_a_mismatch():

@@ -46,12 +46,13 @@ def checkpoint_memory(layers: int = 16, batch: int = 512, d: int = 64):
 
 def collectives_before_after():
     """Chapter 7: the eight primitives on 4 ranks, run for real by labsupport.comm
-    (and checked against torch.distributed) through labsupport.launch."""
-    fig, axes = subplots(4, 2, 15, 11)
+    (and checked against torch.distributed) through labsupport.launch, on the chapter's
+    running example, rank r holding [1, 2, 3, 4] x 10^r."""
+    fig, axes = subplots(4, 2, 11, 10)
     for ax, name in zip(axes.T.flat, lab07_collectives.PRIMITIVES, strict=True):
         results = launch(lab07_collectives.run_primitive, 4, args=(name,), timeout=120)
         lab07_collectives.agreement(results, name)
-        collectives.draw_collective(results, name, ax=ax, width=8)
+        collectives.draw_collective(results, name, ax=ax, width=4)
     return fig
 
 

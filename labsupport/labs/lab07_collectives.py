@@ -1,10 +1,13 @@
-"""Lab 7: each collective run on small, labelled data, ours next to torch's.
+"""Lab 7: each collective run on small, labelled data, ours next to torch's; the bytes
+each one sends, against chapter 7's cost table.
 
-Rank ``r`` starts with the values ``10 r, 10 r + 1, ...``, so every number says where it
-came from (``23`` is rank 2's fourth value) and a reduced value such as ``60`` is
-visibly a combination. :func:`run_primitive` runs on every rank under
-:func:`labsupport.launch` and returns what the rank held before and after, computed by
-:mod:`labsupport.comm` and by ``torch.distributed``.
+Rank ``r`` starts with chapter 7's running example, ``x_r = [1, 2, 3, 4] x 10^r`` (one
+value for each of the 4 ranks), so every number says where it came from (``300`` is
+rank 2's third value) and a sum says which ranks it has seen (``3303``: ranks 0, 2 and
+3). :func:`run_primitive` runs on every rank under :func:`labsupport.launch` and returns
+what the rank held before and after, computed by :mod:`labsupport.comm` and by
+``torch.distributed``; :func:`bytes_per_collective` counts what each rank sends, and
+:func:`table_bytes` is the chapter's formula for it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from labsupport import comm
+from labsupport.comm.collectives import binomial_children
 from labsupport.labs.cells import exercise
 from labsupport.launch.launcher import launch
 from labsupport.launch.runtime import device
@@ -41,45 +45,54 @@ USED_BY = {
 }
 
 
-def labelled(rank: int, count: int, start: int = 0) -> torch.Tensor:
-    """``[10 rank + start, ..., 10 rank + start + count - 1]`` as float32, on this rank's
-    device."""
-    return torch.arange(start, start + count, dtype=torch.float32, device=device()) + 10 * rank
+def labelled(rank: int, count: int) -> torch.Tensor:
+    """``[1, 2, ..., count] x 10^rank`` as float32, on this rank's device.
+
+    Every value is a digit times a power of ten, so a sum of values from different ranks
+    shows, digit by digit, which ranks it has seen (as long as ``count`` is at most 9).
+    """
+    digits = torch.arange(1, count + 1, dtype=torch.float32, device=device())
+    return digits * 10.0**rank
 
 
-def run_primitive(name: str, numel: int = 2, root: int = 0) -> dict:
+def run_primitive(name: str, root: int = 0) -> dict:
     """Run collective ``name`` with :mod:`labsupport.comm` and with ``torch.distributed``
-    on the same input; return ``before``, ``ours``, ``torch`` (1-D CPU tensors; empty
-    where a rank holds nothing of interest)."""
+    on chapter 7's running example; return ``before``, ``ours``, ``torch`` (1-D CPU
+    tensors; empty where a rank holds nothing of interest)."""
     if name not in PRIMITIVES:
         raise ValueError(f"name must be one of {', '.join(PRIMITIVES)}; got {name!r}")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for impl, module in (("ours", comm), ("torch", dist)):
-        before, after = _run(module, name, rank, world, numel, root)
+        before, after = _run(module, name, rank, world, root)
         results["before"], results[impl] = before.cpu(), after.cpu()
     return results
 
 
-def _run(m, name, rank, world, numel, root):
+def _run(m, name, rank, world, root, piece=1):
+    """Run ``m.<name>`` on ``x_r``: ``world`` pieces of ``piece`` values each. Broadcast,
+    reduce and all-reduce take all of ``x_r``; scatter the root's ``x_r``, cut in pieces;
+    gather and all-gather piece ``r`` of ``x_r``; reduce-scatter and all-to-all ``x_r``'s
+    pieces. Returns what the rank held before and after."""
+
     def zeros(n):
         return torch.zeros(n, device=device())
 
     empty = zeros(0)
-    x = labelled(rank, numel)
+    x = labelled(rank, world * piece)
+    pieces = list(x.split(piece))
     if name == "broadcast":
         before = x.clone()
         m.broadcast(x, src=root)
         return before, x
     if name == "scatter":
-        pieces = [labelled(root, numel, start=i * numel) for i in range(world)]
-        out = zeros(numel)
+        out = zeros(piece)
         m.scatter(out, pieces if rank == root else None, src=root)
-        return (torch.cat(pieces) if rank == root else empty), out
+        return (x if rank == root else empty), out
     if name == "gather":
-        bucket = [zeros(numel) for _ in range(world)] if rank == root else None
-        m.gather(x, bucket, dst=root)
-        return x, (torch.cat(bucket) if rank == root else empty)
+        bucket = [zeros(piece) for _ in range(world)] if rank == root else None
+        m.gather(pieces[rank], bucket, dst=root)
+        return pieces[rank], (torch.cat(bucket) if rank == root else empty)
     if name == "reduce":
         before = x.clone()
         m.reduce(x, dst=root)
@@ -89,18 +102,51 @@ def _run(m, name, rank, world, numel, root):
         m.all_reduce(x)
         return before, x
     if name == "all_gather":
-        bucket = [zeros(numel) for _ in range(world)]
-        m.all_gather(bucket, x)
-        return x, torch.cat(bucket)
+        bucket = [zeros(piece) for _ in range(world)]
+        m.all_gather(bucket, pieces[rank])
+        return pieces[rank], torch.cat(bucket)
     if name == "reduce_scatter":
-        inputs = labelled(rank, numel * world)
-        out = zeros(numel)
-        m.reduce_scatter(out, list(inputs.split(numel)))
-        return inputs, out
-    inputs = labelled(rank, world)  # all_to_all: one value for each destination
-    outputs = [zeros(1) for _ in range(world)]
-    m.all_to_all(outputs, list(inputs.split(1)))
-    return inputs, torch.cat(outputs)
+        out = zeros(piece)
+        m.reduce_scatter(out, pieces)
+        return x, out
+    outputs = [zeros(piece) for _ in range(world)]  # all_to_all: piece i goes to rank i
+    m.all_to_all(outputs, pieces)
+    return x, torch.cat(outputs)
+
+
+def bytes_per_collective(nbytes: int) -> dict:
+    """What this rank sends in each collective of :mod:`labsupport.comm`, counted with
+    :func:`~labsupport.comm.count_traffic`: ``{name: (bytes, messages)}``.
+
+    ``nbytes`` is chapter 7's S: the whole tensor of broadcast, reduce and all-reduce,
+    all ``N`` pieces together for the others (float32, a multiple of 4 N bytes)."""
+    world = dist.get_world_size()
+    piece = nbytes // 4 // world
+    sent = {}
+    for name in PRIMITIVES:
+        with comm.count_traffic() as traffic:
+            _run(comm, name, dist.get_rank(), world, root=0, piece=piece)
+        sent[name] = (traffic.bytes_sent, len(traffic.messages))
+    return sent
+
+
+def table_bytes(name: str, rank: int, world: int, nbytes: int, root: int = 0) -> int:
+    """Bytes ``rank`` sends in collective ``name`` of S = ``nbytes``: chapter 7's cost
+    table, rank by rank (root ``root``)."""
+    n, s = world, nbytes
+    if name == "broadcast":  # S to each child in the binomial tree
+        return s * len(binomial_children((rank - root) % n, n))
+    if name == "reduce":  # S to the parent, from every rank but the root
+        return 0 if rank == root else s
+    if name == "scatter":  # the root sends N - 1 pieces of S/N
+        return (n - 1) * s // n if rank == root else 0
+    if name == "gather":  # every rank but the root sends its piece of S/N
+        return 0 if rank == root else s // n
+    if name == "all_reduce":  # the ring: reduce-scatter, then all-gather
+        return 2 * (n - 1) * s // n
+    if name in ("all_gather", "reduce_scatter", "all_to_all"):  # N - 1 pieces of S/N
+        return (n - 1) * s // n
+    raise ValueError(f"name must be one of {', '.join(PRIMITIVES)}; got {name!r}")
 
 
 def agreement(results: list[dict], name: str) -> str:
