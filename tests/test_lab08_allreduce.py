@@ -1,6 +1,7 @@
-"""Lab 8, all-reduce algorithms: the side-by-side timing on real ranks, and the exercises'
-checkers, which accept the notebook's worked solutions and reject the common mistakes.
-(The algorithms, their bytes and costs are tested in tests/test_comm.py.)"""
+"""Lab 8, all-reduce algorithms: the emulated network and the side-by-side timing on real
+ranks, and the exercises' checkers, which accept the notebook's worked solutions and reject
+the common mistakes. (The algorithms, their bytes and costs are tested in
+tests/test_comm.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 from notebook_solutions import solution
 from test_lab07_collectives import checks
 
-from labsupport import launch
+from labsupport import LaunchError, launch
+from labsupport.comm import allreduce, p2p
+from labsupport.comm.allreduce import ALGORITHMS
 from labsupport.comm.cost import all_reduce_time
 from labsupport.labs import lab08_allreduce
 
@@ -30,6 +33,52 @@ def test_all_reduces_side_by_side_times_every_case_on_rank_zero_only():
     assert set(first) == {*cases, "ratio"} and set(first["ratio"]) == set(cases)
     assert all(first[label] > 0 for label in cases)
     assert first["ratio"]["ring, 3 ranks"] == 1.0  # the first case over itself
+
+
+def test_emulated_network_replaces_the_exchange_inside_the_block_only():
+    real = p2p.exchange_many
+    emulated = lab08_allreduce.emulated_network(1e-3, 1e-9)
+    with pytest.raises(RuntimeError, match="inside"), emulated as port:
+        assert p2p.exchange_many is not real and allreduce.exchange_many is not real
+        assert (port.steps, port.nbytes) == (0, 0)
+        raise RuntimeError("inside")
+    assert p2p.exchange_many is real and allreduce.exchange_many is real
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_emulated_network_charges_rank_0_the_alpha_beta_formula(world):
+    """Rank 0's steps and bytes make chapter 8's formula exactly, for every algorithm."""
+    alpha, beta, nbytes = 1e-3, 1e-6, 4 * world * 16
+    algorithms = [a for a in ALGORITHMS if a != "halving_doubling" or world == 4]
+    charged = launch(lab08_allreduce.charged, world, args=(nbytes, alpha, beta, algorithms))
+    assert charged[1:] == [None] * (world - 1)
+    for algorithm, c in charged[0].items():
+        assert math.isclose(
+            c["seconds"], all_reduce_time(algorithm, world, nbytes, alpha, beta), rel_tol=1e-12
+        ), algorithm
+    steps = {a: c["steps"] for a, c in charged[0].items()}
+    log_n = math.ceil(math.log2(world))
+    assert steps["ring"] == steps["naive"] == steps["ps"] == 2 * (world - 1)
+    assert steps["tree"] == 2 * log_n
+
+
+def test_emulated_times_are_never_below_the_model():
+    """Each rank sleeps until its messages would have arrived: a busy machine can only add."""
+    alpha, beta, sizes = 1e-3, 1e-7, [64, 4096]
+    times = launch(lab08_allreduce.emulated_times, 2, args=(sizes, alpha, beta, 2))[0]
+    assert set(times) == set(sizes)
+    for nbytes in sizes:
+        assert times[nbytes]["ratio"]["ring"] == 1.0  # each size's ratios are over the ring's
+        for algorithm in ALGORITHMS:
+            assert times[nbytes][algorithm] >= all_reduce_time(algorithm, 2, nbytes, alpha, beta)
+
+
+def test_torch_cannot_be_timed_on_the_emulated_network():
+    cases = {"torch": ("torch", 64, None)}
+    with pytest.raises(LaunchError, match="does not go through the emulated network"):
+        launch(
+            lab08_allreduce.all_reduces_side_by_side, 2, args=(cases,), kwargs={"network": (1, 1)}
+        )
 
 
 def test_check_ring_bytes(capsys):
