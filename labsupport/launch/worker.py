@@ -78,6 +78,9 @@ def rank_main(job: dict, result_conn, out_conn, err_conn) -> None:
 
     os.environ.clear()
     os.environ.update(job["env"])
+    # torch.distributed read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it,
+    # before this rank's environment existed: read it again, as a fresh torchrun worker would
+    dist.set_debug_level_from_env()
     torch.set_num_threads(job["num_threads"])
 
     try:
