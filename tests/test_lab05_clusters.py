@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from notebook_solutions import solution, stub
 
-from labsupport.comm.cost import all_reduce_time, half_bandwidth_size
+from labsupport.comm.cost import all_reduce_time, half_bandwidth_size, hierarchical_all_reduce_time
 from labsupport.estimate import datasheets
 from labsupport.labs import lab05_clusters
 
@@ -142,8 +142,15 @@ def test_check_hierarchical_all_reduce_accepts_the_solution_and_rejects_mistakes
     def flat_ring(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter):
         return all_reduce_time("ring", nodes * gpus_per_node, nbytes, alpha, beta_inter)
 
-    with pytest.raises(AssertionError, match="flat ring"):
+    with pytest.raises(AssertionError, match="1022 latencies .*flat ring through all 512"):
         lab05_clusters.check_hierarchical_all_reduce(flat_ring)
+
+    def one_ring_per_nic(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter):
+        share = nbytes / gpus_per_node
+        return all_reduce_time("ring", nodes * gpus_per_node, share, alpha, beta_inter)
+
+    with pytest.raises(AssertionError, match="flat ring through all 512"):
+        lab05_clusters.check_hierarchical_all_reduce(one_ring_per_nic)
 
     def swapped_links(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter):
         return fn(nbytes, nodes, gpus_per_node, alpha, beta_inter, beta_intra)
@@ -154,9 +161,47 @@ def test_check_hierarchical_all_reduce_accepts_the_solution_and_rejects_mistakes
     def across_only(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter):
         return all_reduce_time("ring", nodes, nbytes / gpus_per_node, alpha, beta_inter)
 
-    with pytest.raises(AssertionError, match="add up"):
+    with pytest.raises(AssertionError, match="126 latencies .*add up"):
         lab05_clusters.check_hierarchical_all_reduce(across_only)
+
+    def one_latency_per_phase(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter):
+        return fn(nbytes, nodes, gpus_per_node, 0.0, beta_intra, beta_inter) + 3 * alpha
+
+    with pytest.raises(AssertionError, match="3 latencies .*count the steps"):
+        lab05_clusters.check_hierarchical_all_reduce(one_latency_per_phase)
 
     assert_not_attempted(
         lab05_clusters.check_hierarchical_all_reduce, "two_level_all_reduce_time", capsys
+    )
+
+
+def test_the_two_level_numbers_quoted_in_lab_5_hold():
+    """Lab 5 and chapter 5 compare the two-level all-reduce on 64 nodes x 8 GPUs with a
+    flat ring run as 8 rings at once, one per NIC, each with 1/8 of the data."""
+    a = datasheets.ASSUMED_ALPHA
+    nvlink, ndr = datasheets.beta("NVLink 4 (H100)"), datasheets.beta("InfiniBand NDR")
+
+    def flat(size):
+        return float(all_reduce_time("ring", 512, size / 8, a, ndr)) * 1e3
+
+    def two_level(size):
+        return float(hierarchical_all_reduce_time(size, 64, 8, a, nvlink, ndr)) * 1e3
+
+    # the latencies alone: 2 x 511 steps against 2 x 7 + 2 x 63
+    assert flat(0) == pytest.approx(5.110) and two_level(0) == pytest.approx(0.700)
+    quoted = {  # size: (flat ms, two-level ms), as the lab prints them
+        2**20: (5.115, 0.709),
+        25 * 2**20: (5.241, 0.931),
+        10**9: (10.100, 9.511),
+        350 * 10**9: (1751.692, 3084.467),
+    }
+    for size, (flat_ms, two_level_ms) in quoted.items():
+        assert flat(size) == pytest.approx(flat_ms, abs=5e-4)
+        assert two_level(size) == pytest.approx(two_level_ms, abs=5e-4)
+    # each GPU's NVLink carries 7 of the 8 flat rings' hops inside the node: 3.9 ms per
+    # GB at 450 GB/s, below the 5 ms per GB of its NIC, so the NIC sets the pace
+    nvlink_per_gb = 7 / 8 * 2 * 511 / 512 * 1e9 * nvlink * 1e3
+    nic_per_gb = 2 * 511 / 512 * 1e9 / 8 * ndr * 1e3
+    assert nvlink_per_gb == pytest.approx(3.88, abs=0.01) and nic_per_gb == pytest.approx(
+        4.99, abs=0.01
     )

@@ -130,14 +130,30 @@ def check_min_bucket_bytes(fn) -> str:
 
 @exercise
 def check_hierarchical_all_reduce(fn) -> str:
-    """Exercise 3: ``fn(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter)``."""
+    """Exercise 3: ``fn(nbytes, nodes, gpus_per_node, alpha, beta_intra, beta_inter)``.
+
+    First on links of unlimited bandwidth (both betas 0), where only the latencies of
+    the steps remain, the algorithm's gain over a flat ring; then on five clusters.
+    """
+    alpha = datasheets.ASSUMED_ALPHA
+    steps = float(fn(10**9, 64, 8, alpha, 0.0, 0.0)) / alpha
+    if not _close(steps, float(hierarchical_all_reduce_time(10**9, 64, 8, alpha, 0, 0)) / alpha):
+        hint = "count the steps of each of the three phases"
+        if _close(steps, 2 * (64 * 8 - 1)):
+            hint = "that is the step count of a flat ring through all 512 GPUs"
+        elif _close(steps, 2 * (64 - 1)) or _close(steps, 2 * (8 - 1)):
+            hint = "the steps inside the nodes and the steps across them add up"
+        raise AssertionError(
+            f"64 nodes x 8 GPUs, infinitely fast links: your time is {steps:g} latencies "
+            f"(alpha each); {hint}"
+        )
     nvlink, ndr = datasheets.beta("NVLink 4 (H100)"), datasheets.beta("InfiniBand NDR")
     cases = [
-        (10**9, 64, 8, datasheets.ASSUMED_ALPHA, nvlink, ndr),
-        (350 * 10**9, 64, 8, datasheets.ASSUMED_ALPHA, nvlink, ndr),
+        (10**9, 64, 8, alpha, nvlink, ndr),
+        (350 * 10**9, 64, 8, alpha, nvlink, ndr),
         (2**20, 2, 4, 1e-5, 1e-11, 1e-10),
-        (10**9, 1, 8, datasheets.ASSUMED_ALPHA, nvlink, ndr),
-        (10**9, 16, 1, datasheets.ASSUMED_ALPHA, nvlink, ndr),
+        (10**9, 1, 8, alpha, nvlink, ndr),
+        (10**9, 16, 1, alpha, nvlink, ndr),
     ]
     for nbytes, nodes, gpus, alpha, intra, inter in cases:
         got = float(fn(nbytes, nodes, gpus, alpha, intra, inter))
@@ -148,17 +164,15 @@ def check_hierarchical_all_reduce(fn) -> str:
         if _close(got, two_level(intra, inter)):
             continue
         inside = float(all_reduce_time("ring", gpus, nbytes, alpha, intra))
-        across = float(all_reduce_time("ring", nodes, nbytes / gpus, alpha, inter))
         hint = "compare your sum with the three steps of the statement"
         if _close(got, inside + float(all_reduce_time("ring", nodes, nbytes, alpha, inter))):
             hint = "each rail carries one shard across the nodes, not the whole tensor"
-        elif _close(got, float(all_reduce_time("ring", nodes * gpus, nbytes, alpha, inter))):
-            hint = "that is the flat ring through every GPU"
-        elif _close(got, inside) or _close(got, across):
-            hint = "the time inside the nodes and the time across them add up"
         elif _close(got, two_level(inter, intra)):
             hint = "NVLink carries the steps inside a node, the network the step across"
         raise AssertionError(
             f"nbytes={nbytes:g}, nodes={nodes}, gpus_per_node={gpus}: got {got:.6g} s; {hint}"
         )
-    return "two-level all-reduce times on 5 clusters, one node and one GPU per node included"
+    return (
+        "the steps of a two-level all-reduce on 512 GPUs, and its time on 5 clusters, "
+        "one node and one GPU per node included"
+    )
