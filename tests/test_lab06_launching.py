@@ -1,8 +1,11 @@
-"""Lab 6, launching: what each rank sees, ranks at work, a ring pass, a failure, launch
-costs, and the exercises' checkers, on real ranks. (torchrun itself is tested in
-tests/test_run.py.)"""
+"""Lab 6, launching: what each rank sees, ranks at work, a ring pass, a failure, a hang,
+a mismatch, other init methods, the Slurm script, launch costs, and the exercises'
+checkers, on real ranks. (torchrun itself is tested in tests/test_run.py.)"""
 
 from __future__ import annotations
+
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +66,52 @@ def test_failing_step_fails_on_the_bad_rank_only():
         launch(lab06_launching.failing_step, 3, kwargs={"bad_rank": 1}, timeout=60)
     assert info.value.root_rank == 1
     assert launch(lab06_launching.failing_step, 2, kwargs={"bad_rank": 5}, timeout=60) == [1.0] * 2
+
+
+def test_one_rank_late_is_named_by_the_monitored_barrier():
+    late = launch(lab06_launching.one_rank_late, 3, kwargs={"late_s": 2.0, "timeout_s": 0.5})
+    assert late[0]["outcome"] == "[Rank 0]: Rank 2 failed to pass monitoredBarrier in 500 ms"
+    assert "Rank 1 successfully reached monitoredBarrier" in late[1]["outcome"]
+    assert late[2]["outcome"] == "was late" and late[2]["seconds"] >= 2.0
+
+
+def debug_level():
+    return str(dist.get_debug_level())
+
+
+def test_torch_distributed_debug_set_for_a_launch_reaches_its_ranks():
+    """torch.distributed reads the variable when it is imported, in the forkserver, before
+    a rank's environment exists: the rank must read it again before initialising."""
+    detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    assert launch(debug_level, 2, env=detail) == ["DebugLevel.DETAIL"] * 2
+    assert launch(debug_level, 2) == ["DebugLevel.OFF"] * 2
+    with pytest.raises(LaunchError, match="Detected mismatch between collectives") as info:
+        launch(lab06_launching.mismatched_all_reduce, 2, env=detail, timeout=60)
+    assert "Tensor shapes" in info.value.failures[info.value.root_rank].summary
+
+
+def test_all_reduce_via_file_and_tcp_init_methods(tmp_path):
+    via_file = launch(
+        lab06_launching.all_reduce_via, 3, kwargs={"init_method": f"file://{tmp_path}/meet"}
+    )
+    port = lab06_launching.free_port()
+    via_tcp = launch(
+        lab06_launching.all_reduce_via, 2, kwargs={"init_method": f"tcp://127.0.0.1:{port}"}
+    )
+    assert via_file == [{"rank": r, "sum_of_ranks": 3} for r in range(3)]
+    assert via_tcp == [{"rank": r, "sum_of_ranks": 1} for r in range(2)]
+
+
+def test_the_slurm_script_runs_two_nodes_here_and_is_the_one_chapter_6_shows():
+    script = lab06_launching.SBATCH_TWO_NODES
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    chapter = Path(__file__).resolve().parents[1] / "chapters" / "06-launching.md"
+    assert f"```bash\n{script}```" in chapter.read_text()
+    lines = lab06_launching.sbatch_here(nodes=2, gpus_per_node=1)
+    assert [line.split(" -> ")[0] for line in lines] == ["[rank 0]", "[rank 1]"]
+    assert "'node_rank': 1, 'local_rank': 0, 'sum_of_ranks': 1" in lines[1]
+    with pytest.raises(RuntimeError, match="failed"):
+        lab06_launching.sbatch_here("#!/bin/bash\nsrun false\n")
 
 
 def test_launch_costs_times_both_launchers_in_turns(monkeypatch):

@@ -1,5 +1,6 @@
 """Lab 6, launching: what each rank sees, ranks at work, a first send and receive, a
-failure, torchrun, what a launch costs, and the exercises' checkers.
+failure, a hang, torchrun and Slurm, other ways to meet, what a launch costs, and the
+exercises' checkers.
 
 Each rank function runs on every rank of an initialised process group, under
 :func:`labsupport.launch` or ``torchrun -m labsupport.run`` alike, and puts its tensors
@@ -9,21 +10,25 @@ torchrun documents: https://pytorch.org/docs/stable/elastic/run.html#environment
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
+from datetime import timedelta
 
-import psutil
 import torch
 import torch.distributed as dist
 
 from labsupport.labs.cells import exercise
+
+# torchrun and Slurm runs on this machine live in lab06_nodes; the lab and lab 15 use them
+# from here (``name as name``: re-exported)
+from labsupport.labs.lab06_nodes import SBATCH_TWO_NODES as SBATCH_TWO_NODES
+from labsupport.labs.lab06_nodes import SLURM_STAND_INS as SLURM_STAND_INS
+from labsupport.labs.lab06_nodes import _kill_trees as _kill_trees
+from labsupport.labs.lab06_nodes import _wait_for_nodes as _wait_for_nodes
+from labsupport.labs.lab06_nodes import free_port as free_port
+from labsupport.labs.lab06_nodes import sbatch_here as sbatch_here
+from labsupport.labs.lab06_nodes import torchrun_nodes
 from labsupport.launch.errors import LaunchError
 from labsupport.launch.launcher import launch
 from labsupport.launch.progress import progress
@@ -100,6 +105,57 @@ def failing_step(bad_rank: int = 2) -> float:
     return grad[0].item()
 
 
+def one_rank_late(late_s: float = 3.0, timeout_s: float = 1.0) -> dict:
+    """The last rank is ``late_s`` seconds late for a barrier that waits ``timeout_s``.
+
+    ``dist.monitored_barrier`` gives up after ``timeout_s`` and, on rank 0, names the
+    first rank that never came. It needs gloo, so it runs in a gloo group of its own,
+    which works beside nccl as well. Returns what happened on this rank.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = dist.new_group(backend="gloo")  # every rank creates it, the late one too
+    start = time.perf_counter()
+    if rank == world - 1:
+        time.sleep(late_s)  # stands in for a rank stuck elsewhere: I/O, a deadlock, a bug
+        return {"rank": rank, "outcome": "was late", "seconds": time.perf_counter() - start}
+    try:
+        dist.monitored_barrier(group=checks, timeout=timedelta(seconds=timeout_s))
+        outcome = "passed the barrier"
+    except RuntimeError as exc:
+        outcome = str(exc).splitlines()[0]
+    return {"rank": rank, "outcome": outcome, "seconds": time.perf_counter() - start}
+
+
+def mismatched_all_reduce() -> list:
+    """A bug that hangs or corrupts a job: rank r all-reduces 4 + r elements.
+
+    Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` every collective is checked first, through a
+    gloo group of its own, and the ranks fail at once with a message that names the
+    mismatch, instead of hanging or failing deep inside the backend.
+    """
+    grad = torch.ones(4 + dist.get_rank(), device=device())
+    dist.all_reduce(grad)
+    return grad.tolist()
+
+
+def all_reduce_via(init_method: str) -> dict:
+    """Leave the launcher's process group, meet again through ``init_method``
+    (``tcp://host:port`` or ``file:///path``), and sum the ranks with one all-reduce.
+
+    Only ``env://`` reads the rank and the world size from the environment; here they
+    are passed. The backend stays the one the launch chose.
+    """
+    rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    dist.destroy_process_group()
+    # The launcher (like torchrun) tells ranks to join its own store. Without that flag,
+    # rank 0 hosts the store at the tcp:// address itself, as in a job started by hand.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    total = torch.tensor([float(rank)], device=device())
+    dist.all_reduce(total)
+    return {"rank": rank, "sum_of_ranks": int(total.item())}
+
+
 def all_reduce_ranks() -> dict:
     """Sum every rank's rank with one all-reduce; the answer is world·(world-1)/2."""
     total = torch.tensor([float(dist.get_rank())], device=device())
@@ -112,103 +168,7 @@ def all_reduce_ranks() -> dict:
     }
 
 
-# --------------------------------------------------------------------------- torchrun
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous endpoint)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun_nodes(
-    target: str, nnodes: int = 2, nproc_per_node: int = 2, timeout: float = 120, args=()
-) -> list[str]:
-    """Run ``target`` (``module:function``) as ``nnodes`` torchrun "nodes" on this machine.
-
-    Each node is its own ``torchrun`` process, meeting the others through c10d rendezvous
-    on 127.0.0.1, exactly as separate machines would meet at the first node's address.
-    With c10d rendezvous torchrun numbers the nodes in the order they join (it ignores
-    ``--node-rank``, which only the static rendezvous uses). Returns the
-    ``[rank N] -> value`` lines the ranks printed, sorted by rank. Raises
-    ``RuntimeError`` with each node's output if a node fails.
-    """
-    endpoint = f"127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    commands = [
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nnodes={nnodes}",
-            f"--nproc-per-node={nproc_per_node}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}",
-            "--rdzv-id=labsupport-nodes",
-            "--max-restarts=0",
-            "-m",
-            "labsupport.run",
-            target,
-            *args,
-        ]
-        for _ in range(nnodes)
-    ]
-    with contextlib.ExitStack() as files:  # files, not pipes: no pipe can fill up
-        logs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in commands]
-        nodes = [
-            subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-            for cmd, log in zip(commands, logs, strict=True)
-        ]
-        try:
-            timed_out = _wait_for_nodes(nodes, time.monotonic() + timeout)
-        finally:
-            _kill_trees(nodes)
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-    codes = [node.returncode for node in nodes]
-    if timed_out or any(code != 0 for code in codes):
-        what = f"did not finish within {timeout} s" if timed_out else "failed"
-        report = "\n".join(
-            f"--- node {i} (exit code {code}) ---\n{out}"
-            for i, (code, out) in enumerate(zip(codes, outputs, strict=True))
-        )
-        raise RuntimeError(f"a torchrun node {what}:\n{report}")
-    lines = [line for out in outputs for line in out.splitlines() if line.startswith("[rank ")]
-    return sorted(lines, key=lambda line: int(re.match(r"\[rank (\d+)\]", line).group(1)))
-
-
-def _wait_for_nodes(nodes: list[subprocess.Popen], deadline: float) -> bool:
-    """Wait until every node exited, one failed, or the deadline; True if it passed."""
-    while any(node.poll() is None for node in nodes):
-        if any(node.returncode not in (None, 0) for node in nodes):
-            return False  # one node failed: stop the others rather than wait for them
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _kill_trees(nodes: list[subprocess.Popen]) -> None:
-    """Stop each torchrun agent that is still running, and its workers.
-
-    torchrun starts each worker in a session of its own, so killing an agent does not
-    reach them: collect every descendant first, then kill them all.
-    """
-    for node in nodes:
-        if node.poll() is not None:
-            continue
-        try:
-            tree = [psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            tree = []
-        for proc in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-        node.wait()
+# --------------------------------------------------------------------------- launch costs
 
 
 def launch_costs(rounds: int = 2, world_size: int = 4) -> dict:
