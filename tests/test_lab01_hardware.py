@@ -27,6 +27,32 @@ def test_datasheet_rows_show_ridge_points():
     assert rows["Ryzen 7 7840U (laptop CPU)"]["GB/s"] == "89.6"
 
 
+@pytest.mark.parametrize(
+    ("name", "entry"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", None),
+        ("NVIDIA H100 NVL", None),
+        ("NVIDIA H200", "H200 SXM"),
+        ("NVIDIA H200 NVL", None),
+        ("NVIDIA A100-SXM4-80GB", "A100 SXM 80GB"),
+        ("NVIDIA A100-SXM4-40GB", None),
+        ("NVIDIA A100 80GB PCIe", None),
+        ("Tesla V100-SXM2-32GB", "V100 SXM2"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+        ("AMD Ryzen 7 7840U w/ Radeon 780M Graphics", "Ryzen 7 7840U (laptop CPU)"),
+        ("AMD EPYC", None),
+    ],
+)
+def test_datasheet_for_matches_only_the_exact_part(name, entry):
+    found = lab01_hardware.datasheet_for(name)
+    assert (found and found["name"]) == entry
+
+
+def test_device_name_of_the_cpu_is_its_model():
+    assert lab01_hardware.device_name("cpu") == lab01_hardware.cpu_model()
+
+
 def test_min_tokens_worked_numbers():
     # H100 BF16, d = 8192: b >= 295.2 * 8192 / (8192 - 2 * 295.2) = 318.1 -> 319 tokens
     assert lab01_hardware.min_tokens_compute_bound(8192, 8192, 989e12, 3.35e12, 2) == 319

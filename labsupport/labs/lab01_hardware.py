@@ -25,6 +25,7 @@ from labsupport.estimate.roofline import (
 )
 from labsupport.estimate.units import GB, TFLOPS, MiB
 from labsupport.labs.cells import exercise
+from labsupport.measure.probe import cpu_model
 from labsupport.measure.timing import side_by_side
 
 
@@ -49,6 +50,41 @@ def datasheet_rows() -> list[dict]:
             }
         )
     return rows
+
+
+#: Which names, as PyTorch and ``/proc/cpuinfo`` give them, are the exact parts of the
+#: datasheet table. A PCIe or NVL card, or an A100 with 40 GB, has other clocks or
+#: another memory, so it matches nothing rather than the wrong entry.
+_DATASHEET_NAMES = {
+    "V100 SXM2": lambda n: "V100" in n and "SXM2" in n,
+    "A100 SXM 80GB": lambda n: "A100" in n and "SXM4" in n and "80GB" in n,
+    "H100 SXM": lambda n: "H100" in n and "HBM3" in n and "PCIe" not in n and "NVL" not in n,
+    "H200 SXM": lambda n: "H200" in n and "NVL" not in n and "PCIe" not in n,
+    "RTX 4090": lambda n: n.rstrip().endswith("RTX 4090"),
+    "Ryzen 7 7840U (laptop CPU)": lambda n: "Ryzen 7 7840U" in n,
+}
+
+
+def datasheet_for(name: str) -> dict | None:
+    """The entry of :data:`~labsupport.estimate.datasheets.DEVICES` for a device named
+    ``name`` (``torch.cuda.get_device_name`` for a GPU, the CPU's model name), or
+    ``None`` for a device the table does not hold.
+
+    A roof the lab measures is the best this machine showed, so a kernel measured
+    against it says how it compares with the lab's other kernels; measured against the
+    datasheet, it says how close the machine comes to what its hardware can do.
+    """
+    for key, matches in _DATASHEET_NAMES.items():
+        if matches(name):
+            return DEVICES[key]
+    return None
+
+
+def device_name(device: str) -> str:
+    """What the device calls itself: the CPU's model name, or the GPU's."""
+    if device == "cpu":
+        return cpu_model()
+    return torch.cuda.get_device_name(torch.device(device))
 
 
 ROOFLINE_KERNELS = {
