@@ -1,0 +1,250 @@
+"""Lab 9, the parameter server: the task the workers train on, the runs' records read
+back, bytes through the server counted, and the exercises' checkers.
+
+The server and the workers are :func:`labsupport.parallel.parameter_server.train`
+(synchronous, asynchronous, stale-synchronous, a straggler); the drawings are in
+:mod:`labsupport.viz.parameter_server`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from labsupport.comm.allreduce import all_reduce, bytes_sent
+from labsupport.comm.p2p import count_traffic
+from labsupport.labs.cells import exercise
+from labsupport.launch.launcher import launch
+from labsupport.launch.runtime import device
+from labsupport.parallel import parameter_server as ps
+
+#: The model: 16 inputs, two hidden layers of 64, 4 outputs (5,508 parameters).
+D_IN, HIDDEN, D_OUT = 16, 64, 4
+#: Samples per worker and step, and the learning rate of every run.
+BATCH, LR = 2048, 0.3
+#: The noise on the targets: no model can push the mean-squared error below NOISE**2.
+NOISE = 0.1
+
+
+def make_model() -> nn.Module:
+    """The model every rank builds: the same weights everywhere (seed 0)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(HIDDEN, D_OUT))
+
+
+def batch(worker: int, step: int):
+    """Worker ``worker``'s ``(inputs, targets)`` for ``step``: fresh samples each time, the
+    targets a fixed smooth function of the inputs plus noise (a "teacher")."""
+    teacher = torch.randn(D_IN, D_OUT, generator=torch.Generator().manual_seed(7)) / 4
+    g = torch.Generator().manual_seed(100_003 * worker + step)
+    x = torch.randn(BATCH, D_IN, generator=g)
+    return x, torch.sin(x @ teacher) + NOISE * torch.randn(BATCH, D_OUT, generator=g)
+
+
+def single_process_sgd(workers: int, steps: int, lr: float = LR) -> torch.Tensor:
+    """One process, plain SGD on every worker's batch of each step at once; the final
+    parameters as one vector (what synchronous mode must reproduce)."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        parts = [batch(w, step) for w in range(workers)]
+        optimizer.zero_grad()
+        F.mse_loss(
+            model(torch.cat([x for x, _ in parts])), torch.cat([y for _, y in parts])
+        ).backward()
+        optimizer.step()
+    return nn.utils.parameters_to_vector(model.parameters()).detach()
+
+
+# --------------------------------------------------------------------------- records
+
+
+def servers_of(results: list) -> list[dict]:
+    """The servers' results, in shard order."""
+    return sorted((r for r in results if r["role"] == "server"), key=lambda r: r["shard"])
+
+
+def gathered(results: list) -> torch.Tensor:
+    """The final parameters, the servers' shards put back together."""
+    return torch.cat([r["parameters"] for r in servers_of(results)])
+
+
+def while_all_run(updates: list[dict]) -> dict:
+    """Rates while every worker is still pushing: up to the moment the first worker
+    pushes its last gradient (after that, fewer workers run and any rate drops).
+
+    Returns ``seconds`` (that moment), ``pushes`` and ``versions`` (gradients received and
+    parameter updates made by then), and both per second.
+    """
+    workers = {u["worker"] for u in updates}
+    end = min(max(u["time"] for u in updates if u["worker"] == w) for w in workers)
+    done = [u for u in updates if u["time"] <= end]
+    versions = len({u["version"] for u in done})
+    return {
+        "seconds": end,
+        "pushes": len(done),
+        "versions": versions,
+        "pushes_per_s": len(done) / end,
+        "updates_per_s": versions / end,
+    }
+
+
+# --------------------------------------------------------------------------- bytes
+
+
+def counted_train(*args, **kwargs) -> dict:
+    """:func:`~labsupport.parallel.parameter_server.train` on every rank, with every byte
+    the rank sends counted (:func:`labsupport.comm.p2p.count_traffic`); returns its
+    result plus ``rank`` and ``sent``, a list of ``(destination rank, bytes)``."""
+    with count_traffic() as traffic:
+        result = ps.train(*args, **kwargs)
+    return result | {"rank": dist.get_rank(), "sent": traffic.messages}
+
+
+def shard_sizes(numel: int, servers: int) -> list[int]:
+    """Parameters per server: ``numel`` split as ``tensor_split`` splits it."""
+    return [numel // servers + (s < numel % servers) for s in range(servers)]
+
+
+def traffic_formula(numel: int, workers: int, servers: int, rank: int) -> tuple[int, int]:
+    """Bytes rank ``rank`` sends and receives per synchronous step, by the protocol.
+
+    A push is a 12-byte header (worker, version, loss) and the gradient shard; a pull
+    is the parameter shard and its version (one float32 more). A server of ``n``
+    parameters receives ``workers`` pushes and sends ``workers`` pulls.
+    """
+    sizes = shard_sizes(numel, servers)
+    if rank < servers:
+        return workers * 4 * (sizes[rank] + 1), workers * (12 + 4 * sizes[rank])
+    return 12 * servers + 4 * numel, 4 * (numel + servers)
+
+
+def traffic_rows(results: list[dict], steps: int, numel: int) -> list[dict]:
+    """Per rank: bytes sent and received per step, counted, next to the formula."""
+    servers = sum(r["role"] == "server" for r in results)
+    received = [0] * len(results)
+    for r in results:
+        for dst, size in r["sent"]:
+            received[dst] += size
+    rows = []
+    for r in results:
+        sent = sum(size for _, size in r["sent"])
+        want = traffic_formula(numel, len(results) - servers, servers, r["rank"])
+        rows.append(
+            {
+                "rank": r["rank"],
+                "role": r["role"],
+                "sent/step": sent // steps,
+                "formula": want[0],
+                "received/step": received[r["rank"]] // steps,
+                "formula ": want[1],
+                "exact": sent == steps * want[0] and received[r["rank"]] == steps * want[1],
+            }
+        )
+    return rows
+
+
+def ring_traffic(numel: int) -> dict:
+    """Bytes this rank sends in a ring all-reduce of ``numel`` float32 (run on every
+    rank), counted, and by chapter 8's formula."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with count_traffic() as traffic:
+        all_reduce(torch.ones(numel, device=device()), algorithm="ring")
+    return {
+        "rank": rank,
+        "sent": traffic.bytes_sent,
+        "formula": bytes_sent("ring", numel, 4, world, rank),
+    }
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+@exercise
+def check_server_bytes(fn) -> str:
+    """Exercise 1: ``fn(num_params, workers, servers)`` must give the gradient bytes one
+    server receives in a synchronous step (float32, ``servers`` divides ``num_params``)."""
+    for numel, workers, servers in [
+        (6000, 3, 1),
+        (6000, 3, 2),
+        (124_439_808, 64, 8),
+        (10**9, 1024, 16),
+    ]:
+        got = _number(fn(numel, workers, servers))
+        want = workers * 4 * numel // servers
+        if got == want:
+            continue
+        where = (
+            f"{numel:,} parameters, {workers} workers, {servers} servers: got {got:,.15g} bytes, "
+        )
+        if got == 4 * numel // servers:
+            hint = "one worker's push: every worker pushes to every server"
+        elif got == workers * 4 * numel:
+            hint = "the whole gradient: a server holds only its shard of the parameters"
+        elif got == want // 4:
+            hint = "that counts parameters: each float32 takes 4 bytes"
+        else:
+            hint = f"{'more' if got > want else 'fewer'} than the server receives"
+        raise AssertionError(where + hint)
+    return "the bytes a server receives per step, for 1 to 16 servers and up to 1,024 workers"
+
+
+@exercise
+def check_staleness(fn) -> str:
+    """Exercise 2: ``fn(order, workers)`` must give the staleness of each push, when the
+    pushes reach an asynchronous server in ``order`` (a list of worker numbers)."""
+    traces = [
+        ("every worker in turn", lambda: [0, 1, 2] * 3),
+        ("one straggler", lambda: [1, 2, 1, 2, 0, 1, 2, 1, 2, 0]),
+        ("a real run", _real_order),  # launched only once the made-up orders pass
+    ]
+    for label, make in traces:
+        order = make()
+        answer = fn(list(order), 3)
+        if not isinstance(answer, list | tuple):
+            raise AssertionError(f"your function returned {answer!r}: it should return a list")
+        got = [_number(s) for s in answer]
+        want = simulate_staleness(order, 3)
+        if got == want:
+            continue
+        first = next(
+            (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), len(got)
+        )
+        where = f"{label}, order {order}: push {first} should have staleness {want[first]}, "
+        where += f"got {got[first]}" if first < len(got) else f"got {len(got)} values"
+        if len(got) == len(want) and all(a == b + 1 for a, b in zip(got, want, strict=True)):
+            where += "; a worker pulled the parameters *after* its own update was applied"
+        raise AssertionError(where)
+    return (
+        "the staleness of every push, on made-up orders and on the order of a real asynchronous run"
+    )
+
+
+def simulate_staleness(order: list[int], workers: int) -> list[int]:
+    """What an asynchronous server records: updates applied since the worker pulled."""
+    pulled, out = [0] * workers, []
+    for version, w in enumerate(order):
+        out.append(version - pulled[w])
+        pulled[w] = version + 1
+    return out
+
+
+def _real_order() -> list[int]:
+    results = launch(ps.train, 4, args=(make_model, batch, F.mse_loss, 4), kwargs={"mode": "async"})
+    (server,) = servers_of(results)
+    want = [u["staleness"] for u in server["updates"]]
+    order = [u["worker"] for u in server["updates"]]
+    assert simulate_staleness(order, 3) == want, "the server's records disagree with the model"
+    return order
+
+
+def _number(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise AssertionError(
+            f"your function returned {value!r}: it should return a number"
+        ) from None

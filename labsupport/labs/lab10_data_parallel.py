@@ -1,0 +1,271 @@
+"""Lab 10, data parallelism: the course GPT trained by the naive all-reduce, by the
+bucketed DDP of :mod:`labsupport.parallel.data_parallel` and by PyTorch's own; one step's
+timeline, its bytes counted, the bucket size swept against a model of overlap; and the
+exercises' checkers. The profiler and the sampler are in :mod:`labsupport.labs.lab10_tools`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labsupport.comm.allreduce import all_reduce, bytes_sent
+from labsupport.comm.p2p import count_traffic
+from labsupport.launch.runtime import device
+from labsupport.measure.timing import side_by_side
+from labsupport.models import GPT, GPTConfig, random_tokens
+from labsupport.parallel.data_parallel import DistributedDataParallel, all_reduce_gradients
+
+#: The lab's GPT (the benchmark's, bench/ddp.py): 4 layers, d = 128, 128 tokens, 256 ids.
+CONFIG = {"vocab_size": 256, "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128}
+#: Sequences per rank and step, and the learning rate of plain SGD.
+BATCH, LR = 2, 0.1
+WRAPPERS = ("naive", "ours", "torch")
+
+
+def make_gpt() -> GPT:
+    """The lab's GPT, the same weights on every rank (seed 0)."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**CONFIG))
+
+
+def global_batch(step: int, world: int):
+    """The ``(idx, targets)`` of every rank together at ``step``: ``BATCH * world`` sequences."""
+    return random_tokens(BATCH * world, CONFIG["block_size"], CONFIG["vocab_size"], seed=step)
+
+
+def wrap(model: nn.Module, kind: str, bucket_cap_mb: float) -> nn.Module:
+    """``model`` as data-parallel ``kind``: ``"naive"`` (the model itself; call
+    :func:`~labsupport.parallel.data_parallel.all_reduce_gradients` after backward),
+    ``"ours"`` or ``"torch"`` (the two DistributedDataParallel)."""
+    if kind == "naive":
+        return model
+    cls = DistributedDataParallel if kind == "ours" else nn.parallel.DistributedDataParallel
+    return cls(model, bucket_cap_mb=bucket_cap_mb)
+
+
+def train(kind: str, steps: int = 3, bucket_cap_mb: float = 0.25, lr: float = LR) -> dict:
+    """On every rank: ``steps`` of SGD on this rank's share of each global batch, with
+    the gradients averaged by ``kind``; returns the parameters and each step's loss."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_gpt().to(device())
+    ddp = wrap(model, kind, bucket_cap_mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    losses = []
+    for step in range(steps):
+        idx, targets = (t[mine].to(device()) for t in global_batch(step, world))
+        optimizer.zero_grad()
+        loss = ddp(idx, targets)[1]
+        loss.backward()
+        if kind == "naive":
+            all_reduce_gradients(model)
+        optimizer.step()
+        losses.append(loss.item())
+    return {"params": {n: p.detach().cpu() for n, p in model.named_parameters()}, "losses": losses}
+
+
+def single_process(steps: int, world: int, lr: float = LR) -> dict:
+    """What the ranks must reproduce: one process, the whole global batch each step."""
+    model = make_gpt()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        optimizer.zero_grad()
+        model(*global_batch(step, world))[1].backward()
+        optimizer.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def max_difference(a: dict, b: dict) -> float:
+    """The largest difference between two sets of parameters, element by element."""
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+# --------------------------------------------------------------------------- one step
+
+
+class TimedDDP(DistributedDataParallel):
+    """The bucketed DDP, which also records when each bucket's all-reduce *finished*
+    (a callback on its future, run by the communication thread), not only when the
+    end of backward waited for it."""
+
+    def _launch(self, bucket) -> None:
+        super()._launch(bucket)
+        index = bucket.index
+
+        def finished(_):
+            self.events.append((f"all-reduce finished bucket {index}", time.perf_counter()))
+
+        bucket.work.get_future().then(finished)
+
+
+def step_timeline(bucket_cap_mb: float = 0.25) -> list:
+    """On every rank: one warm-up step, then one timed step of :class:`TimedDDP`.
+
+    Returns this rank's events, ``(what, seconds since the step started)``, in order:
+    ``forward``, ``backward``, every gradient ready, every bucket's all-reduce started
+    and finished, ``waited`` (``backward()`` returned, every bucket waited for) and
+    ``step`` (the optimizer step done). The steps start together, after a barrier.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_gpt().to(device())
+    ddp = TimedDDP(model, bucket_cap_mb=bucket_cap_mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    for step in range(2):
+        idx, targets = (t[mine].to(device()) for t in global_batch(step, world))
+        dist.barrier()
+        ddp.events.clear()
+        marks = [("forward", time.perf_counter())]
+        optimizer.zero_grad()
+        loss = ddp(idx, targets)[1]
+        marks.append(("backward", time.perf_counter()))
+        loss.backward()
+        marks.append(("waited", time.perf_counter()))
+        optimizer.step()
+        marks.append(("step", time.perf_counter()))
+    start = marks[0][1]
+    events = sorted(marks + ddp.events, key=lambda e: e[1])
+    return [(what, t - start) for what, t in events]
+
+
+# --------------------------------------------------------------------------- bytes
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class CountedDDP(DistributedDataParallel):
+    """The bucketed DDP with each bucket summed by :mod:`labsupport.comm`'s ring
+    all-reduce instead of torch's, so that every byte it sends is counted (in ``sent``)."""
+
+    sent = 0
+
+    def _launch(self, bucket) -> None:
+        with count_traffic() as traffic:
+            all_reduce(bucket.buffer, group=self.group, algorithm="ring")
+        self.sent += traffic.bytes_sent
+        bucket.work = _Done()
+
+
+def bytes_per_step(bucket_cap_mb: float = 0.25) -> dict:
+    """On every rank: one step of :class:`CountedDDP`; the bytes this rank sent, the
+    ring's formula summed over the buckets, and the gradients' bytes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_gpt().to(device())
+    ddp = CountedDDP(model, bucket_cap_mb=bucket_cap_mb)
+    idx, targets = (
+        t[rank * BATCH : (rank + 1) * BATCH].to(device()) for t in global_batch(0, world)
+    )
+    ddp(idx, targets)[1].backward()
+    numels = [b.buffer.numel() for b in ddp.buckets]
+    return {
+        "rank": rank,
+        "buckets": len(numels),
+        "counted": ddp.sent,
+        "formula": sum(bytes_sent("ring", n, 4, world, rank) for n in numels),
+        "gradient bytes": 4 * sum(numels),
+    }
+
+
+# --------------------------------------------------------------------------- bucket size
+
+
+def bucket_sweep(caps_mb: list[float], rounds: int = 5) -> dict | None:
+    """On every rank: one training step with each bucket size, and one without any
+    communication (``"compute only"``), timed in turns, round by round
+    (:func:`~labsupport.measure.timing.side_by_side`). Rank 0 returns median seconds per
+    case and each one's median ratio to the compute-only step of the same round."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    idx, targets = (
+        t[rank * BATCH : (rank + 1) * BATCH].to(device()) for t in global_batch(0, world)
+    )
+
+    def step_of(module, parameters):
+        optimizer = torch.optim.SGD(parameters, lr=LR)
+
+        def step():
+            optimizer.zero_grad()
+            module(idx, targets)[1].backward()
+            optimizer.step()
+
+        return step
+
+    local = make_gpt().to(device())
+    fns = {"compute only": step_of(local, local.parameters())}
+    for cap in caps_mb:
+        model = make_gpt().to(device())
+        fns[cap] = step_of(DistributedDataParallel(model, bucket_cap_mb=cap), model.parameters())
+    result = side_by_side(fns, rounds=rounds, device=device(), min_sample_s=0)
+    return result if rank == 0 else None
+
+
+def overlap_schedule(
+    bucket_bytes: list[int], forward_s: float, backward_s: float, a: float, b: float, overlap=True
+):
+    """When each bucket's all-reduce runs, in a model of one DDP step.
+
+    Backward produces the gradients at an even rate in bytes, last layer first, so a
+    bucket is ready when backward has produced every byte up to its end (with
+    ``overlap=False``, as in the naive version, every bucket waits for the end of
+    backward). The all-reduces run one after another, each taking ``a + b * bytes``
+    (the alpha-beta cost of one all-reduce, fitted on this machine or taken from a
+    datasheet). Returns ``(buckets, step)``: per bucket ``(ready, start, end)`` in
+    seconds since the step started, and the step's time, the later of the backward's
+    end and the last all-reduce's end.
+    """
+    total, done, free, out = sum(bucket_bytes), 0, 0.0, []
+    for nbytes in bucket_bytes:
+        done += nbytes
+        ready = forward_s + backward_s * (done / total if overlap else 1.0)
+        start = max(ready, free)
+        free = start + a + b * nbytes
+        out.append((ready, start, free))
+    return out, max(forward_s + backward_s, free)
+
+
+def overlap_figure():
+    """Chapter 10: one step of GPT-2 small on 64 GPUs, modelled (not measured): forward
+    5 ms and backward 10 ms (6·N·D FLOPs for 8,192 tokens per GPU at about 400 TFLOP/s),
+    float32 gradients all-reduced by a ring over 400 Gb/s links (50 GB/s), 50 µs of
+    latency per all-reduce; one all-reduce per parameter after backward, then buckets."""
+    from labsupport.models.gpt import GPT2_SMALL
+    from labsupport.parallel.data_parallel import make_buckets
+    from labsupport.viz.data_parallel import COMM, COMPUTE, draw_lanes
+    from labsupport.viz.style import rank_color
+
+    with torch.device("meta"):
+        params = [p for p in GPT(GPT2_SMALL).parameters() if p.requires_grad]
+    forward, backward, a, b = 5e-3, 10e-3, 50e-6, 2 * 63 / 64 / 50e9
+    cases = {
+        "naive: one all-reduce per parameter, after backward": (
+            [4 * p.numel() for p in reversed(params)],
+            False,
+        )
+    }
+    for cap in (25, 1):
+        cases[f"buckets of {cap} MiB, all-reduced during backward"] = (
+            [bk.nbytes for bk in make_buckets(params, cap * 2**20)],
+            True,
+        )
+    panels = {}
+    for title, (sizes, overlap) in cases.items():
+        buckets, step = overlap_schedule(sizes, forward, backward, a, b, overlap)
+        bars = [
+            (s * 1e3, e * 1e3, COMM if i % 2 == 0 else rank_color(4))
+            for i, (_, s, e) in enumerate(buckets)
+        ]
+        compute = [
+            (0, forward * 1e3, "#aaaaaa"),
+            (forward * 1e3, (forward + backward) * 1e3, COMPUTE),
+        ]
+        panels[f"{title}: {step * 1e3:.1f} ms"] = {
+            "forward, backward": compute,
+            f"{len(sizes)} all-reduces": bars,
+        }
+    return draw_lanes(panels)

@@ -1,0 +1,223 @@
+"""Lab 10, data parallelism: the three wrappers against one process, one step's timeline,
+its bytes counted, the overlap model, the profiler trace read back, the sampler, averaging
+against summing, the drawings, and the exercises' checkers against the notebook's
+solutions and common mistakes. (The DDP itself is tested in tests/test_parallel_data.py.)"""
+
+from __future__ import annotations
+
+import matplotlib
+import matplotlib.pyplot as plt
+import pytest
+import torch
+import torch.distributed as dist
+from test_lab07_collectives import checks
+from torch.utils.data import DistributedSampler
+
+from labsupport import launch
+from labsupport.labs import lab10_data_parallel as lab
+from labsupport.labs import lab10_tools as tools
+from labsupport.viz import data_parallel as draw
+
+matplotlib.use("Agg")
+LAB = "10-data-parallel.ipynb"
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def test_every_wrapper_trains_as_one_process_on_the_whole_batch():
+    reference = lab.single_process(1, 2)
+    tolerance = lab.LR * (2 * lab.BATCH * lab.CONFIG["block_size"]) * 2**-24  # as the lab
+    for kind in lab.WRAPPERS:
+        results = launch(lab.train, 2, args=(kind, 1), timeout=120)
+        assert lab.max_difference(results[0]["params"], results[1]["params"]) == 0
+        assert lab.max_difference(results[0]["params"], reference) <= tolerance
+
+
+def test_step_timeline_records_every_bucket_in_order():
+    per_rank = launch(lab.step_timeline, 2, kwargs={"bucket_cap_mb": 0.5}, timeout=120)
+    for events in per_rank:
+        order = [what for what, _ in events]
+        assert order[0] == "forward" and order[-1] == "step"
+        assert [t for _, t in events] == sorted(t for _, t in events)
+        for b in range(9):
+            start = order.index(f"all-reduce start bucket {b}")
+            assert start < order.index(f"all-reduce finished bucket {b}")
+    lanes = draw.step_lanes(per_rank)
+    assert list(lanes) == [
+        "rank 0 compute",
+        "rank 0 all-reduce",
+        "rank 1 compute",
+        "rank 1 all-reduce",
+    ]
+    assert len(lanes["rank 0 all-reduce"]) == 9
+    fig = draw.draw_lanes({"step": lanes})
+    assert len(fig.axes[0].patches) >= 2 * 3  # every rank's forward, backward and step at least
+
+
+def test_bytes_per_step_are_the_rings_on_every_bucket():
+    for r in launch(lab.bytes_per_step, 3, kwargs={"bucket_cap_mb": 0.5}, timeout=120):
+        assert r["buckets"] == 9
+        assert r["counted"] == r["formula"]  # exact, uneven chunks included
+        # 2(N-1)/N of the gradient, give or take one float32 per chunk sent (3 ranks
+        # cut a bucket into chunks that differ by one element)
+        assert abs(r["counted"] - 2 * 2 * r["gradient bytes"] / 3) <= 4 * 4 * r["buckets"]
+        assert r["gradient bytes"] == 4 * 842_496  # the tied weight once
+
+
+def test_overlap_schedule_by_hand():
+    # backward 0.1 s after a forward of 0.05 s, two buckets of 100 and 300 bytes
+    buckets, step = lab.overlap_schedule([100, 300], 0.05, 0.1, a=0.01, b=1e-4)
+    assert buckets[0] == pytest.approx((0.075, 0.075, 0.095))  # ready after a quarter
+    assert buckets[1] == pytest.approx((0.15, 0.15, 0.19))
+    assert step == pytest.approx(0.19)
+    naive, later = lab.overlap_schedule([100, 300], 0.05, 0.1, a=0.01, b=1e-4, overlap=False)
+    assert naive[0][1] == pytest.approx(0.15) and later == pytest.approx(0.15 + 0.02 + 0.04)
+
+
+def test_overlap_figure_models_gpt2_small():
+    fig = lab.overlap_figure()
+    titles = [ax.get_title(loc="left") for ax in fig.axes]
+    assert titles[0].startswith("naive: one all-reduce per parameter") and "42.0 ms" in titles[0]
+    assert "25 MiB" in titles[1] and "1 MiB" in titles[2]
+
+
+def test_bucket_sweep_times_every_cap_on_rank_zero_only():
+    first, second = launch(lab.bucket_sweep, 2, args=([0.5, 4],), kwargs={"rounds": 1}, timeout=120)
+    assert second is None
+    assert set(first["ratio"]) == {"compute only", 0.5, 4}
+    fig = draw.draw_bucket_sweep(
+        [0.5, 4], [first[0.5], first[4]], [0.1, 0.1], first["compute only"]
+    )
+    assert len(fig.axes[0].lines) == 3
+
+
+def test_the_profiler_trace_shows_all_reduces_launched_during_backward():
+    trace = launch(tools.profile_torch_ddp, 2, kwargs={"bucket_cap_mb": 0.5}, timeout=120)[0]
+    names = {e["name"] for e in trace["events"]}
+    assert {"DistributedDataParallel.forward", "c10d::allreduce_"} <= names
+    phases = [row["phase"] for row in tools.trace_summary(trace["events"])]
+    assert phases[0] == "forward" and phases[-1] == "optimizer step"
+    assert "all-reduce 0 launched" in phases and "backward" in phases
+
+
+def test_trace_summary_of_made_up_events():
+    events = [
+        {"name": "DistributedDataParallel.forward", "main": True, "start": 0.0, "ms": 2.0},
+        {"name": "autograd::engine::evaluate_function: A", "main": True, "start": 2.0, "ms": 1.0},
+        {"name": "c10d::allreduce_", "main": True, "start": 2.5, "ms": 0.1},
+        {"name": "gloo:all_reduce", "main": False, "start": 2.6, "ms": 1.0},
+        {"name": "autograd::engine::evaluate_function: B", "main": True, "start": 3.0, "ms": 1.0},
+        {
+            "name": "torch.distributed.ddp.reducer::copy_bucket_to_grad",
+            "main": True,
+            "start": 4.0,
+            "ms": 0.1,
+        },
+        {"name": "Optimizer.step#SGD.step", "main": True, "start": 4.2, "ms": 0.3},
+    ]
+    rows = {row["phase"]: row for row in tools.trace_summary(events)}
+    assert rows["backward"]["events"] == 2 and rows["backward"]["end (ms)"] == 4.0
+    assert rows["all-reduce 0 runs (comm thread)"]["start (ms)"] == 2.6
+
+
+def test_sampler_epochs_are_distributed_samplers():
+    per_rank = launch(tools.sampler_epochs, 3, args=(10,), timeout=60)
+    for rank, epochs in enumerate(per_rank):
+        for epoch, indices in enumerate(epochs):
+            sampler = DistributedSampler(range(10), 3, rank, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            assert indices == list(sampler)
+
+
+def test_summing_with_lr_over_n_is_averaging():
+    mean = launch(tools.average_or_sum, 2, args=("mean", 0.1, 1), timeout=120)[0]
+    summed = launch(tools.average_or_sum, 2, args=("sum", 0.05, 1), timeout=120)[0]
+    assert torch.allclose(mean, summed, rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+def forward_order(numels, cap_bytes):
+    """Buckets in registration order: the first layer's gradients, ready last, go first."""
+    buckets, current, size = [], [], 0
+    for i in range(len(numels)):
+        if current and size + 4 * numels[i] > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += 4 * numels[i]
+    return buckets + [current]
+
+
+def empty_first(numels, cap_bytes):
+    """Closes the current bucket without checking that it holds anything."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(numels))):
+        if size + 4 * numels[i] > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += 4 * numels[i]
+    return buckets + [current]
+
+
+def past_the_cap(numels, cap_bytes):
+    """Closes a bucket once it exceeds the cap (PyTorch's rule), not before."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(numels))):
+        current.append(i)
+        size += 4 * numels[i]
+        if size >= cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def test_check_buckets(capsys):
+    mistakes = [
+        (forward_order, "last layer's gradients first"),
+        (empty_first, "a bucket is never empty"),
+        (past_the_cap, "sizes \\[50, 300, 50\\]"),
+        (lambda numels, cap: None, "should return a list of lists"),
+    ]
+    checks(capsys, tools.check_buckets, LAB, "my_buckets", "DDP's buckets", mistakes)
+
+
+def sums(model):
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    start = 0
+    for g in grads:
+        g.copy_(flat[start : start + g.numel()].view_as(g))
+        start += g.numel()
+
+
+def forgets_to_copy_back(model):
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+
+
+def test_check_all_reduce_flat(capsys):
+    mistakes = [
+        (sums, "it is the sum"),
+        (forgets_to_copy_back, "the gradient is not the average"),
+    ]
+    verified = "every gradient averaged over the ranks"
+    checks(capsys, tools.check_all_reduce_flat, LAB, "all_reduce_flat", verified, mistakes)
+
+
+def test_check_shard_indices(capsys):
+    mistakes = [
+        (lambda n, w, r: list(range(n))[r::w], "pads with the first ones"),
+        (lambda n, w, r: list(range(r * -(-n // w), (r + 1) * -(-n // w))), "in turn"),
+        (lambda n, w, r: None, "n=12, world_size=4, rank 0: got None"),
+    ]
+    verified = "DistributedSampler's indices"
+    checks(capsys, tools.check_shard_indices, LAB, "shard_indices", verified, mistakes)
