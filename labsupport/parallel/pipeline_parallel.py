@@ -134,6 +134,7 @@ def run(
                 out.backward(received.pop(("grad", *a[1:])))
             if not chunks[a.chunk].first:
                 received["input_grad", *a[1:]] = x.grad
+            del x, out  # else they keep this micro-batch's graph alive into the next forward
         else:
             _communicate(g, batch, held, received, activation_shape, dtype, v)
         events.append((a, begin, time.perf_counter() - start))

@@ -1,0 +1,296 @@
+"""Lab 11, pipeline parallelism: the course GPT run through every schedule on real ranks,
+every action timed and the activations each rank holds counted, and the checkers.
+
+The schedules and their simulator are in :mod:`labsupport.parallel.schedules`, the
+executor in :mod:`labsupport.parallel.pipeline_parallel`, the model the lab runs in
+:mod:`labsupport.labs.lab11_stages`, the drawings in :mod:`labsupport.viz.pipeline`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from labsupport.labs.cells import exercise
+from labsupport.labs.lab11_stages import (
+    LAB_GPT,
+    MICRO_BATCH,
+    HeldActivations,
+    build,
+    micro_batches,
+    reference_gradients,
+    warm_up,
+)
+from labsupport.launch.runtime import device
+from labsupport.parallel import pipeline_parallel as pp
+from labsupport.parallel import schedules
+
+
+def pipeline_steps(
+    cases: list, forward_s: float = 0.0, backward_s: float = 0.0, gradients: bool = False
+) -> list[dict]:
+    """One training step of the lab's GPT per ``(schedule, m, v)`` of ``cases``, one
+    after another (run on every rank); returns this rank's result for each case.
+
+    For each case, every rank builds the same GPT, keeps its stages
+    (:func:`~labsupport.parallel.pipeline_parallel.stage_modules`) and runs its list of
+    actions (:func:`~labsupport.parallel.schedules.build`) with the executor
+    (:func:`~labsupport.parallel.pipeline_parallel.run`). A result holds this rank's
+    actions with their start and end on the machine's clock (``time.perf_counter``,
+    which every process of one machine shares), the most micro-batches it held at once,
+    the peak bytes of activations it kept (:class:`HeldActivations`), the losses (last
+    rank) and, with ``gradients``, its parameters' gradients by name.
+    """
+    p, rank = dist.get_world_size(), dist.get_rank()
+    results = []
+    for schedule, m, v in cases:
+        model = build(forward_s, backward_s).to(device())
+        chunks = pp.stage_modules(model, p, rank, v)
+        actions = schedules.build(schedule, p, m, v)[rank]
+        inputs, targets = micro_batches(m)
+        shape = (MICRO_BATCH, LAB_GPT["block_size"], LAB_GPT["n_embd"])
+        warm_up(model, shape)
+        held = model.held = HeldActivations(exclude=model)
+        dist.barrier()
+        clock = time.perf_counter()
+        out = pp.run(chunks, actions, inputs, targets, shape, v=v)
+        result = {
+            "rank": rank,
+            "case": (schedule, m, v),
+            "events": [(a.kind, *a[1:], clock + s, clock + e) for a, s, e in out["events"]],
+            "peak_microbatches": out["peak_microbatches"],
+            "peak_bytes": held.peak,
+            "losses": out["losses"],
+        }
+        if gradients:
+            result["gradients"] = _stage_gradients(chunks)
+        results.append(result)
+    return results
+
+
+def by_case(per_rank: list[list[dict]]) -> list[list[dict]]:
+    """:func:`pipeline_steps`' results per rank and case, turned per case and rank."""
+    return [list(case) for case in zip(*per_rank, strict=True)]
+
+
+def gradients_match(results: list[dict], m: int) -> bool:
+    """Whether the gradients the ranks hold (the tied output weight's copy on the last
+    rank included) are one process's for the whole batch (:func:`reference_gradients`).
+
+    float32: a pipeline adds each parameter's gradient over the micro-batches in the
+    same order as one process, but takes each micro-batch's mean loss and divides by
+    ``m`` separately, a few roundings of 2^-24 relative each: the tolerance, 1e-5
+    relative (and 1e-6 absolute for gradients near zero), leaves a wide margin over
+    them, and is far below what a wrong loss scaling changes (a factor of ``m``).
+    """
+    want = reference_gradients(m)
+    seen = set()
+    for r in results:
+        for name, grad in r["gradients"].items():
+            name = "wte.weight" if name == "lm_head.weight" else name  # the tied copy
+            seen.add(name)
+            if not torch.allclose(grad, want[name], rtol=1e-5, atol=1e-6):
+                return False
+    return seen == set(want) - {"lm_head.weight"}
+
+
+def describe(actions: list) -> str:
+    """A rank's actions in short: ``F3`` and ``B3`` compute micro-batch 3 (``F3.1``:
+    its chunk 1), ``>a3``/``<a3`` send/receive its activation, ``>g3``/``<g3`` its
+    gradient; messages posted together are bracketed."""
+    short = {"send_act": ">a", "recv_act": "<a", "send_grad": ">g", "recv_grad": "<g"}
+    words = []
+    for batch in schedules.batches(actions):
+        names = []
+        for a in batch:
+            tag = short.get(a.kind, a.kind[0].upper())
+            names.append(f"{tag}{a.microbatch}" + (f".{a.chunk}" if a.chunk else ""))
+        words.append(names[0] if len(names) == 1 else "[" + " ".join(names) + "]")
+    return " ".join(words)
+
+
+def _stage_gradients(chunks: dict) -> dict:
+    grads = {}
+    for stage in chunks.values():
+        owned = {id(q) for q in stage.parameters()}
+        for name, q in stage.gpt[0].named_parameters():
+            if id(q) in owned and q.grad is not None:
+                grads[name] = q.grad.cpu().clone()
+    return grads
+
+
+# --------------------------------------------------------------------------- timelines
+
+
+def compute_events(results: list[dict]) -> list[list[tuple]]:
+    """Each rank's forward and backward actions as ``(kind, micro-batch, chunk, start,
+    end)``, in seconds from the first one's start on any rank."""
+    first = min(e[3] for r in results for e in r["events"] if e[0] in ("forward", "backward"))
+    return [
+        [
+            (k, mb, c, s - first, e - first)
+            for k, mb, c, s, e in r["events"]
+            if k in ("forward", "backward")
+        ]
+        for r in results
+    ]
+
+
+def measured_bubble(results: list[dict]) -> float:
+    """The idle share of the step, measured: 1 - (time computing, summed over the
+    ranks) / (ranks x the step's span), as :func:`~labsupport.parallel.schedules.
+    measured_bubble` counts it on the simulated slots. Time in messages counts as idle."""
+    timeline = compute_events(results)
+    span = max(e for rank in timeline for *_, e in rank)
+    busy = sum(e - s for rank in timeline for *_, s, e in rank)
+    return 1 - busy / (len(timeline) * span)
+
+
+def step_seconds(results: list[dict]) -> float:
+    """From the first forward on any rank to the last backward on any rank."""
+    return max(e for rank in compute_events(results) for *_, e in rank)
+
+
+def median_durations(results: list[dict]) -> dict:
+    """The median seconds of a forward and of a backward action, over every rank."""
+    timeline = compute_events(results)
+    out = {}
+    for kind in ("forward", "backward"):
+        times = sorted(e - s for rank in timeline for k, *_, s, e in rank if k == kind)
+        out[kind] = times[len(times) // 2]
+    return out
+
+
+def step_time_model(p: int, m: int, forward: float, backward: float, message: float, v=1):
+    """Predicted seconds of one step. ``forward`` and ``backward`` are one action's time
+    (one chunk of ``1/v`` stage), ``message`` one message's, ``alpha + beta * n``.
+
+    Each rank computes ``m v`` forwards and backwards, and waits ``p - 1`` slots of a
+    forward and a backward in the bubble: ``(m v + p - 1)(t_f + t_b)``. On top come the
+    messages that nothing overlaps: the first activation goes down through the
+    ``p v`` stages and the last gradient back up, ``2 (p v - 1)`` messages.
+    """
+    return (m * v + p - 1) * (forward + backward) + 2 * (p * v - 1) * message
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+@exercise
+def check_bubble(fn) -> str:
+    """Exercise 1: ``fn(p, m, v)`` must give the idle share of the total time."""
+    for p, m, v in [(4, 8, 1), (8, 32, 1), (2, 1, 1), (4, 8, 2), (8, 64, 4), (1, 4, 1)]:
+        got = _number(fn(p, m, v), "a fraction between 0 and 1")
+        want = schedules.bubble_fraction(p, m, v)["of_total"]
+        if math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-15):
+            continue
+        where = f"p={p}, m={m}, v={v}: got {got:.6g}, "
+        if math.isclose(got, schedules.bubble_fraction(p, m, v)["of_ideal"], rel_tol=1e-12):
+            hint = "the idle time over the ideal (busy) time; divide by the total time instead"
+        elif v > 1 and math.isclose(got, schedules.bubble_fraction(p, m)["of_total"]):
+            hint = "as without chunks: with v chunks per rank, a slot of the bubble lasts 1/v"
+        else:
+            side = "more" if got > want else "less"
+            hint = f"{side} idle time than the pipeline has: count the slots idle on one rank"
+        raise AssertionError(where + hint)
+    return "the bubble over the total time, with and without chunks, on 1 to 8 stages"
+
+
+@exercise
+def check_fewest_microbatches(fn) -> str:
+    """Exercise 2: ``fn(p, target, v)``, the fewest micro-batches whose bubble (over the
+    total) is at most ``target``, a multiple of ``p`` when ``v > 1``."""
+    for p, target, v in [(4, 0.2, 1), (8, 0.1, 1), (64, 0.1, 1), (4, 0.2, 2), (8, 0.05, 4)]:
+        got = fn(p, target, v)
+        want = _fewest(p, target, v)
+        if got == want:
+            continue
+        where = f"p={p}, target={target}, v={v}: got {got!r}, "
+        if got == _fewest(p, target, v, over="of_ideal"):
+            hint = "that meets the target over the ideal time; the target is over the total"
+        elif not isinstance(got, int):
+            hint = "it should be a whole number of micro-batches"
+        elif schedules.bubble_fraction(p, got, v)["of_total"] > target:
+            hint = "its bubble is above the target"
+        elif v > 1 and got % p:
+            hint = "the interleaved schedule needs a multiple of p micro-batches"
+        else:
+            hint = "fewer micro-batches already meet the target"
+        raise AssertionError(where + hint)
+    return "the fewest micro-batches for a bubble target, with and without chunks"
+
+
+def _fewest(p: int, target: float, v: int, over: str = "of_total") -> int:
+    step = p if v > 1 else 1
+    m = step
+    while schedules.bubble_fraction(p, m, v)[over] > target:
+        m += step
+    return m
+
+
+@exercise
+def check_gpipe_schedule(fn) -> str:
+    """Exercise 3: ``fn(p, m, rank)``, GPipe's list of actions for one rank, must run
+    (no deadlock in :func:`~labsupport.parallel.schedules.simulate`), receive before it
+    computes and send what it computed, and hold ``m`` micro-batches at its peak."""
+    for p, m in [(4, 8), (2, 3), (3, 1), (1, 2)]:
+        lists = [fn(p, m, rank) for rank in range(p)]
+        for rank, acts in enumerate(lists):
+            _check_actions(acts, p, m, rank)
+        try:
+            timeline = schedules.simulate(lists)
+        except RuntimeError as exc:
+            raise AssertionError(f"p={p}, m={m}: {exc}") from None
+        held = [_peak_held(acts) for acts in lists]
+        if held != [m] * p:
+            raise AssertionError(
+                f"p={p}, m={m}: ranks hold {held} micro-batches at their peak; GPipe runs "
+                "every forward before the first backward, so each holds all m"
+            )
+        bubble = schedules.measured_bubble(timeline)
+        if not math.isclose(bubble, schedules.bubble_fraction(p, m)["of_total"]):
+            raise AssertionError(f"p={p}, m={m}: a bubble of {bubble:.3f}, not GPipe's")
+    return "GPipe as data: it runs on 1 to 4 stages, holds m micro-batches, has the bubble"
+
+
+#: What must come before each action, for the same micro-batch.
+NEEDS = dict(forward="recv_act", send_act="forward", backward="recv_grad", send_grad="backward")
+
+
+def _check_actions(acts, p: int, m: int, rank: int) -> None:
+    if not isinstance(acts, list) or not all(isinstance(a, schedules.Action) for a in acts):
+        raise AssertionError(f"rank {rank}: return a list of schedules.Action")
+    done: set = set()
+    for a in acts:
+        if a.kind in ("recv_act", "send_grad") and rank == 0:
+            raise AssertionError("rank 0 is the first stage: no stage comes before it")
+        if a.kind in ("send_act", "recv_grad") and rank == p - 1:
+            raise AssertionError(f"rank {p - 1} is the last stage: no stage comes after it")
+        edge = (a.kind == "forward" and rank == 0) or (a.kind == "backward" and rank == p - 1)
+        need = NEEDS.get(a.kind)
+        if need and not edge and (need, a.microbatch) not in done:
+            raise AssertionError(
+                f"rank {rank}: {a.kind} {a.microbatch} before {need} {a.microbatch}"
+            )
+        done.add((a.kind, a.microbatch))
+    computed = sorted((a.kind, a.microbatch) for a in acts if a.kind in ("forward", "backward"))
+    if computed != sorted((k, mb) for k in ("forward", "backward") for mb in range(m)):
+        raise AssertionError(f"rank {rank}: each micro-batch needs one forward and one backward")
+
+
+def _peak_held(acts) -> int:
+    held = peak = 0
+    for a in acts:
+        held += {"forward": 1, "backward": -1}.get(a.kind, 0)
+        peak = max(peak, held)
+    return peak
+
+
+def _number(value, what: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise AssertionError(f"your function returned {value!r}: it should return {what}") from None

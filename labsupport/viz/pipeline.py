@@ -1,0 +1,176 @@
+"""Pipeline schedules, drawn: who computes what when (a Gantt chart per rank), the
+activations each rank holds over time, and the bubble against the number of micro-batches.
+
+A timeline is, per rank, a list of ``(kind, micro-batch, chunk, start, end)``: measured
+(:func:`labsupport.labs.lab11_pipeline.compute_events`) or read off the simulated
+schedule (:func:`simulated`). Each rank keeps its colour; a forward is drawn light, a
+backward solid, a second model chunk hatched.
+"""
+
+from __future__ import annotations
+
+from labsupport.parallel import schedules
+from labsupport.viz.style import figure, rank_color, subplots
+
+
+def simulated(name: str, p: int, m: int, v: int = 1) -> list[list[tuple]]:
+    """The timeline of schedule ``name`` played by :func:`~labsupport.parallel.
+    schedules.simulate`, every chunk's forward or backward one slot of ``1/v``: time in
+    units of one whole stage's forward."""
+    timeline = schedules.simulate(schedules.build(name, p, m, v), v)
+    return [
+        [(a.kind, a.microbatch, a.chunk, slot / v, (slot + 1) / v) for a, slot in rank]
+        for rank in timeline
+    ]
+
+
+def draw_timeline(timeline, ax=None, title: str | None = None, xlabel: str = "time", labels=True):
+    """A Gantt chart: one row per rank (rank 0 on top), one box per forward (light) or
+    backward (solid) action, labelled with its micro-batch; chunk 1 and up hatched."""
+    p = len(timeline)
+    if ax is None:
+        _, ax = figure(9.0, 0.45 * p + 1.0)
+    span = max(e for rank in timeline for *_, e in rank)
+    for rank, events in enumerate(timeline):
+        y = p - 1 - rank
+        for kind, mb, chunk, start, end in events:
+            forward = kind == "forward"
+            ax.broken_barh(
+                [(start, end - start)],
+                (y - 0.38, 0.76),
+                facecolors=rank_color(rank),
+                alpha=0.45 if forward else 1.0,
+                edgecolor="white",
+                linewidth=0.6,
+                hatch="///" if chunk else None,
+            )
+            if labels and (end - start) > 0.012 * span:
+                ax.text(
+                    (start + end) / 2,
+                    y,
+                    str(mb),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black" if forward else "white",
+                )
+    ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
+    ax.set_xlim(0, span)
+    ax.set_ylim(-0.6, p - 0.4)
+    ax.set_xlabel(xlabel)
+    ax.spines["left"].set_visible(False)
+    ax.tick_params(axis="y", length=0)
+    if title:
+        ax.set_title(title, fontsize=10, loc="left")
+    return ax
+
+
+def draw_schedules(cases, p: int = 4):
+    """One simulated Gantt chart per ``(title, name, m, v)`` of ``cases``, on one time
+    axis (units of one stage's forward; a backward takes one unit too)."""
+    fig, axes = subplots(len(cases), 1, 9.0, 1.55 * len(cases) + 0.4, sharex=True)
+    for ax, (title, name, m, v) in zip(axes, cases, strict=True):
+        timeline = simulated(name, p, m, v)
+        bubble = schedules.measured_bubble(schedules.simulate(schedules.build(name, p, m, v), v))
+        draw_timeline(timeline, ax, f"{title}: idle {bubble:.0%} of the total", xlabel="")
+    axes[-1].set_xlabel("time (slots: one stage's forward or backward of one micro-batch)")
+    span = max(max(e for rank in simulated(n, p, m, v) for *_, e in rank) for _, n, m, v in cases)
+    axes[-1].set_xlim(0, span)
+    fig.tight_layout()
+    return fig
+
+
+def held_over_time(timeline) -> list[list[tuple[float, int]]]:
+    """Per rank, ``(time, micro-batches held)`` after each action: a forward adds the
+    micro-batch's activations, its backward frees them."""
+    out = []
+    for events in timeline:
+        held, steps = 0, [(0.0, 0)]
+        for kind, _, _, _, end in sorted(events, key=lambda e: e[4]):
+            held += 1 if kind == "forward" else -1
+            steps.append((end, held))
+        out.append(steps)
+    return out
+
+
+def draw_held(cases, p: int = 4):
+    """Micro-batches whose activations each rank holds over a step, per schedule
+    ``(title, name, m, v)`` (chunks counted as ``1/v`` of a micro-batch)."""
+    fig, axes = subplots(1, len(cases), 4.2 * len(cases), 3.0, sharey=True)
+    for ax, (title, name, m, v) in zip(axes, cases, strict=True):
+        for rank, steps in enumerate(held_over_time(simulated(name, p, m, v))):
+            ax.step(
+                [t for t, _ in steps],
+                [h / v for _, h in steps],
+                where="post",
+                color=rank_color(rank),
+                label=f"rank {rank}",
+            )
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("time (slots)")
+    axes[0].set_ylabel("micro-batches of activations held")
+    axes[0].legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_bubble(p_values=(4, 8), m_max: int = 64, interleaved=(), measured=None, ax=None):
+    """The bubble against the number of micro-batches ``m``, both ways the literature
+    writes it, (p-1)/(m+p-1) (idle over the total) and (p-1)/m (idle over the ideal
+    time), for each ``p``; for each ``(p, v)`` of ``interleaved``, (p-1)/(vm+p-1) with
+    ``m`` a multiple of ``p``; ``measured`` adds points ``{label: [(m, bubble), ...]}``."""
+    if ax is None:
+        _, ax = figure(7.0, 3.6)
+    ms = list(range(1, m_max + 1))
+    for i, p in enumerate(p_values):
+        total = [schedules.bubble_fraction(p, m)["of_total"] for m in ms]
+        ideal = [min(schedules.bubble_fraction(p, m)["of_ideal"], 1.5) for m in ms]
+        ax.plot(ms, total, color=rank_color(i), label=f"p={p}: (p-1)/(m+p-1), idle / total")
+        ax.plot(ms, ideal, ":", color=rank_color(i), label=f"p={p}: (p-1)/m, idle / ideal")
+    for j, (p, v) in enumerate(interleaved):
+        chunked = [(m, schedules.bubble_fraction(p, m, v)["of_total"]) for m in ms if m % p == 0]
+        ax.plot(
+            *zip(*chunked, strict=True),
+            "--",
+            color=rank_color(len(p_values) + j),
+            label=f"p={p}, v={v} (interleaved): (p-1)/(vm+p-1)",
+        )
+    for j, (label, points) in enumerate((measured or {}).items()):
+        ax.plot(*zip(*points, strict=True), "o", color=rank_color(4 + j), label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches per step, m")
+    ax.set_ylabel("bubble")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8, frameon=False)
+    return ax
+
+
+# --------------------------------------------------------------------------- chapter 11
+
+
+def schedules_figure():
+    """Chapter 11: four schedules on 4 ranks, from the simulator."""
+    return draw_schedules(
+        [
+            ("Naive, m = 4", "naive", 4, 1),
+            ("GPipe, m = 8", "gpipe", 8, 1),
+            ("1F1B, m = 8", "1f1b", 8, 1),
+            ("Interleaved 1F1B, v = 2, m = 8", "interleaved", 8, 2),
+        ]
+    )
+
+
+def held_figure():
+    """Chapter 11: activations held per rank over a step of 8 micro-batches."""
+    return draw_held(
+        [
+            ("GPipe, m = 8", "gpipe", 8, 1),
+            ("1F1B, m = 8", "1f1b", 8, 1),
+            ("Interleaved, v = 2, m = 8", "interleaved", 8, 2),
+        ]
+    )
+
+
+def bubble_figure():
+    """Chapter 11: the bubble against m, both denominators, and interleaving."""
+    return draw_bubble(p_values=(4, 8), m_max=64, interleaved=((4, 2),)).figure

@@ -1,0 +1,186 @@
+"""Lab 11, pipeline parallelism: the lab's steps on real ranks (gradients, the activations
+each rank holds, timelines), its measurements and model, and the exercises' checkers.
+(The schedules and the executor are tested in tests/test_parallel_pipeline.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_lab07_collectives import checks
+
+from labsupport import launch
+from labsupport.labs import lab11_pipeline as lab
+from labsupport.labs import lab11_stages as stages
+from labsupport.parallel import schedules
+
+LAB = "11-pipeline-parallel.ipynb"
+CASES = [("gpipe", 5, 1), ("1f1b", 6, 1), ("1f1b", 3, 1), ("interleaved", 4, 2)]
+
+
+@pytest.fixture(scope="module")
+def steps():
+    per_rank = launch(lab.pipeline_steps, 4, args=(CASES,), kwargs={"gradients": True})
+    return lab.by_case(per_rank)
+
+
+def test_every_case_gives_the_gradients_of_one_process(steps):
+    for (_, m, _), results in zip(CASES, steps, strict=True):
+        assert lab.gradients_match(results, m)
+        assert sorted(results[3]["losses"]) == list(range(m))
+
+
+def test_a_wrong_gradient_is_caught(steps):
+    results = [dict(r, gradients=dict(r["gradients"])) for r in steps[0]]
+    name = next(iter(results[1]["gradients"]))
+    results[1]["gradients"][name] = results[1]["gradients"][name] * 5  # loss not divided by m
+    assert not lab.gradients_match(results, 5)
+
+
+def test_activations_held_are_what_the_schedules_say(steps):
+    per_block = stages.activation_bytes_per_block()
+    for (name, m, v), results in zip(CASES, steps, strict=True):
+        for r in results:
+            rank = r["rank"]
+            want = {
+                "gpipe": m,
+                "1f1b": min(4 - rank, m),
+                "interleaved": min(2 * (3 - rank) + (v - 1) * 4 + 1, m * v),
+            }[name]
+            assert r["peak_microbatches"] == want, (name, rank)
+            assert r["peak_bytes"] == want * per_block * (8 // (4 * v)), (name, rank)
+
+
+def test_each_rank_ran_its_schedule_in_order(steps):
+    for (name, m, v), results in zip(CASES, steps, strict=True):
+        for r in results:
+            want = [
+                tuple(b[0]) for b in schedules.batches(schedules.build(name, 4, m, v)[r["rank"]])
+            ]
+            assert [e[:3] for e in r["events"]] == want
+            assert all(start <= end for *_, start, end in r["events"])
+
+
+def test_held_activations_count_saved_tensors_until_they_are_freed():
+    layer = torch.nn.Linear(8, 8)
+    held = stages.HeldActivations(exclude=layer)
+    x = torch.randn(4, 8, requires_grad=True)
+    with held.saving():
+        y = layer(x).relu()  # saves x (linear) and the output (relu): 2 x 128 bytes
+    assert held.live == held.peak == 2 * 4 * 8 * 4
+    y.sum().backward()
+    del y
+    assert held.live == 128  # x itself is still alive here
+    del x
+    assert held.live == 0 and held.peak == 256
+
+
+def test_the_waiting_gpt_waits_in_both_passes():
+    fast, slow = stages.build(), stages.build(forward_s=0.02, backward_s=0.04)
+    x = torch.zeros(2, 16, 32, requires_grad=True)
+    assert torch.equal(fast.run_block(fast.h[0], x), slow.run_block(slow.h[0], x))
+    import time
+
+    start = time.perf_counter()
+    y = slow.run_block(slow.h[0], x)
+    middle = time.perf_counter()
+    y.sum().backward()
+    assert middle - start >= 0.02 and time.perf_counter() - middle >= 0.04
+
+
+def fake(events_per_rank):
+    return [{"events": [(k, 0, 0, s, e) for k, s, e in events]} for events in events_per_rank]
+
+
+def test_measured_bubble_and_step_from_timestamps():
+    # 2 ranks: rank 0 works [0, 1] and [2, 3], rank 1 works [1, 2]: span 3, busy 3 of 6
+    results = fake(
+        [
+            [("forward", 10, 11), ("send_act", 11, 11), ("backward", 12, 13)],
+            [("forward", 11, 12), ("backward", 12, 12)],
+        ]
+    )
+    assert lab.measured_bubble(results) == pytest.approx(0.5)
+    assert lab.step_seconds(results) == pytest.approx(3)
+    assert lab.median_durations(results) == {"forward": 1, "backward": 1}
+
+
+def test_the_step_time_model():
+    # v = 1: (m + p - 1)(t_f + t_b) + 2(p - 1) messages
+    assert lab.step_time_model(4, 8, 1.0, 2.0, 0.5) == pytest.approx(11 * 3 + 6 * 0.5)
+    # v = 2: chunk times, (m v + p - 1) slots, 2(p v - 1) messages
+    assert lab.step_time_model(4, 8, 0.5, 1.0, 0.5, v=2) == pytest.approx(19 * 1.5 + 14 * 0.5)
+
+
+def test_describe_is_short():
+    assert lab.describe(schedules.one_f_one_b(2, 2, 1)) == "<a0 F0 B0 [>g0 <a1] F1 B1 >g1"
+    assert "F1.1" in lab.describe(schedules.interleaved_1f1b(2, 2, 0, 2))
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+def test_check_bubble(capsys):
+    mistakes = [
+        (lambda p, m, v: (p - 1) / (v * m), "over the ideal"),
+        (lambda p, m, v: (p - 1) / (m + p - 1), "as without chunks"),
+        (lambda p, m, v: p / (v * m + p), "more idle time"),
+        (lambda p, m, v: "a lot", "should return a fraction"),
+    ]
+    verified = "the bubble over the total time"
+    checks(capsys, lab.check_bubble, LAB, "bubble", verified, mistakes)
+
+
+def test_check_fewest_microbatches(capsys):
+    def over_ideal(p, target, v):
+        m = math.ceil((p - 1) / (target * v))
+        return math.ceil(m / p) * p if v > 1 else m
+
+    def ignores_groups(p, target, v):
+        return math.ceil((p - 1) * (1 - target) / (target * v) - 1e-9)
+
+    mistakes = [
+        (over_ideal, "over the ideal time"),
+        (lambda p, target, v: 2 * p, "its bubble is above the target"),
+        (ignores_groups, "multiple of p"),
+        (lambda p, target, v: 10_000, "fewer micro-batches already"),
+    ]
+    verified = "the fewest micro-batches"
+    check = lab.check_fewest_microbatches
+    checks(capsys, check, LAB, "fewest_microbatches", verified, mistakes)
+
+
+def test_check_gpipe_schedule(capsys):
+    def one_f_one_b(p, m, rank):  # a fine schedule, but not GPipe
+        return schedules.one_f_one_b(p, m, rank)
+
+    def backwards_in_forward_order(p, m, rank):  # fine too: any order the ranks agree on
+        acts = schedules.gpipe(p, m, rank)
+        forwards = [a for a in acts if a.kind in ("forward", "recv_act", "send_act")]
+        return forwards + [a for k in range(m) for a in acts[len(forwards) :] if a.microbatch == k]
+
+    def sends_before_computing(p, m, rank):
+        acts = schedules.gpipe(p, m, rank)
+        i = next(i for i, a in enumerate(acts) if a.kind == "send_act") if rank < p - 1 else None
+        if i is not None:
+            acts[i - 1], acts[i] = acts[i], acts[i - 1]
+        return acts
+
+    def first_stage_receives(p, m, rank):
+        return [schedules.Action("recv_act", 0, 0), *schedules.gpipe(p, m, rank)]
+
+    def mixed_orders(p, m, rank):  # rank 0 takes its gradients in the other order
+        acts = schedules.gpipe(p, m, rank)
+        return acts if rank else backwards_in_forward_order(p, m, rank)
+
+    assert lab.check_gpipe_schedule(backwards_in_forward_order)
+    mistakes = [
+        (one_f_one_b, "hold .* micro-batches at their peak"),
+        (sends_before_computing, "send_act 0 before forward 0"),
+        (first_stage_receives, "rank 0 is the first stage"),
+        (mixed_orders, "the schedule deadlocks"),
+        (lambda p, m, rank: None, "return a list of schedules.Action"),
+    ]
+    verified = "GPipe as data"
+    checks(capsys, lab.check_gpipe_schedule, LAB, "my_gpipe", verified, mistakes)
