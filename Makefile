@@ -83,6 +83,8 @@ bench: $(STAMP)
 	$(PY) -m bench.launch
 	$(PY) -m bench.allreduce
 	$(PY) -m bench.ddp
+	$(PY) -m bench.three_d
+	$(PY) -m bench.zero_memory
 
 # 1,000 launches of a function that does nothing, two busy processes beside them.
 stress: $(STAMP)

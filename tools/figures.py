@@ -14,11 +14,15 @@ import matplotlib.pyplot as plt
 import torch
 
 from labsupport import launch
-from labsupport.labs import lab04_checkpointing, lab07_collectives
+from labsupport.labs import lab04_checkpointing, lab07_collectives, lab10_data_parallel
 from labsupport.labs.lab06_launching import global_rank
+from labsupport.labs.lab12_memory import layer_costs
 from labsupport.models import MLPStack
 from labsupport.viz import clusters, collectives, dtypes, one_device, ranks, roofline, walls
+from labsupport.viz import parameter_server as ps_figures
+from labsupport.viz import pipeline as pipeline_figures
 from labsupport.viz import sharding as sharding_figures
+from labsupport.viz import tensor_parallel as tp_figures
 from labsupport.viz.style import subplots
 
 
@@ -78,6 +82,18 @@ FIGURES = {
     "13-mesh.png": sharding_figures.mesh_orders_figure,
     "13-planner.png": sharding_figures.published_breakdown_figure,
     "14-zero.png": sharding_figures.zero_memory_figure,
+    "09-sync-async.png": ps_figures.sync_async_figure,
+    "09-server-traffic.png": ps_figures.server_traffic_figure,
+    "10-overlap.png": lab10_data_parallel.overlap_figure,
+    "11-schedules.png": pipeline_figures.schedules_figure,
+    "11-held.png": pipeline_figures.held_figure,
+    "11-bubble.png": pipeline_figures.bubble_figure,
+    "12-split.png": tp_figures.draw_linear_split,
+    "12-block.png": tp_figures.draw_block,
+    "12-cost.png": lambda: tp_figures.draw_layer_costs(
+        layer_costs(), "GPT-3 175B on H100s, per GPU (modelled, not measured)"
+    ),
+    "12-activations.png": tp_figures.draw_activations,
 }
 
 
