@@ -14,6 +14,7 @@ from torch import nn
 
 from labsupport.comm.allreduce import all_reduce, bytes_sent
 from labsupport.comm.p2p import count_traffic
+from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.measure.timing import side_by_side
 from labsupport.models import GPT, GPTConfig, random_tokens
@@ -56,7 +57,7 @@ def train(kind: str, steps: int = 3, bucket_cap_mb: float = 0.25, lr: float = LR
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     mine = slice(rank * BATCH, (rank + 1) * BATCH)
     losses = []
-    for step in range(steps):
+    for step in progress(range(steps), kind):
         idx, targets = (t[mine].to(device()) for t in global_batch(step, world))
         optimizer.zero_grad()
         loss = ddp(idx, targets)[1]

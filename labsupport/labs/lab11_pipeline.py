@@ -24,6 +24,7 @@ from labsupport.labs.lab11_stages import (
     reference_gradients,
     warm_up,
 )
+from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.parallel import pipeline_parallel as pp
 from labsupport.parallel import schedules
@@ -46,7 +47,7 @@ def pipeline_steps(
     """
     p, rank = dist.get_world_size(), dist.get_rank()
     results = []
-    for schedule, m, v in cases:
+    for schedule, m, v in progress(cases, "cases"):
         model = build(forward_s, backward_s).to(device())
         chunks = pp.stage_modules(model, p, rank, v)
         actions = schedules.build(schedule, p, m, v)[rank]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from labsupport.comm import traced
 from labsupport.estimate.memory import training_memory
 from labsupport.labs.cells import exercise
+from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.measure.memory import saved_tensors
 from labsupport.models import GPT, GPTConfig, random_tokens
@@ -90,7 +91,7 @@ def train_zero(stage: int, steps: int = STEPS) -> dict:
     model = build()
     zero = ZeRO(model, stage, lr=LR)
     losses = []
-    for step in range(steps):
+    for step in progress(range(steps), f"ZeRO-{stage}"):
         zero.zero_grad()
         with traced.trace_collectives() as trace:
             loss = model(*my_share(step))[1]
