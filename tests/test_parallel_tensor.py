@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import labsupport
 from labsupport import LaunchError, launch
 from labsupport.comm import traced
 from labsupport.models import GPT, GPTConfig, random_tokens
@@ -163,3 +164,24 @@ def test_column_then_row_equals_dtensor_colwise_then_rowwise(t):
     for r in launch(dtensor_case, t, timeout=120):
         for name, (got, want) in r.items():
             torch.testing.assert_close(got, want, **TOL, msg=name)
+
+
+def dropout_masks(sequence_parallel: bool) -> dict:
+    """This rank's draws inside ``rank_rng`` and from the shared generator after it."""
+    torch.manual_seed(0)
+    block = tpm.ParallelBlock(dense_gpt().h[0], config(), sequence_parallel=sequence_parallel)
+    x = torch.ones(B, T, 32, device=labsupport.device())
+    with block.rank_rng(x):
+        own = torch.rand(8, device=x.device).cpu()
+    with block._residual_rng(x):
+        residual = torch.rand(8, device=x.device).cpu()
+    return {"own": own, "residual": residual, "shared": torch.rand(8).cpu()}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_sharded_dropout_draws_per_rank_and_leaves_the_shared_generator_alone(sequence_parallel):
+    a, b = launch(dropout_masks, 2, args=(sequence_parallel,), timeout=60)
+    assert not torch.equal(a["own"], b["own"])  # per-rank seeds: different masks
+    assert torch.equal(a["shared"], b["shared"])  # the shared generator stays in step
+    # residual dropouts: per rank under sequence parallelism, shared (equal) without it
+    assert torch.equal(a["residual"], b["residual"]) is not sequence_parallel

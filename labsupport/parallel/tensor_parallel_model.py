@@ -11,14 +11,17 @@ every output and gradient against the dense model's), with the layers of
   row-parallel layers' biases) work on ``1/t`` of the sequence each, and
   :func:`all_reduce_sequence_parallel_grads` sums their gradients over the ranks after
   backward (Korthikanti et al. 2022, section 4.2.2);
-* dropout inside the split attention draws from a generator seeded per rank (different
-  masks for different heads), dropout in the replicated regions from the shared one
-  (the same mask on every rank), as Megatron's ``get_cuda_rng_tracker``;
+* dropout where the ranks hold different data (inside the split attention, and the
+  residual dropouts under sequence parallelism, which see different tokens) draws from
+  a seed of the rank's own, dropout in the replicated regions from the shared generator
+  (the same mask on every rank), as Megatron's ``get_cuda_rng_tracker().fork()``;
 * the token embedding and the output layer split by vocabulary (padded to a multiple of
   ``t``), the loss computed without gathering the logits.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -71,21 +74,34 @@ class ParallelBlock(nn.Module):
         self.sharded_seed = seed + 1000 * (rank + 1)
 
     def forward(self, x):
-        x = x + F.dropout(
-            self.attn_proj(self._attention(self.ln_1(x))), self.config.dropout, self.training
-        )
-        h = F.gelu(self.c_fc(self.ln_2(x)))
-        return x + F.dropout(self.mlp_proj(h), self.config.dropout, self.training)
+        a = self.attn_proj(self._attention(self.ln_1(x)))
+        with self._residual_rng(x):
+            x = x + F.dropout(a, self.config.dropout, self.training)
+        h = self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+        with self._residual_rng(x):
+            return x + F.dropout(h, self.config.dropout, self.training)
+
+    @contextlib.contextmanager
+    def rank_rng(self, x: torch.Tensor):
+        """Draw random numbers from this rank's own seed (a different mask on every
+        rank) on ``x``'s device, then give the shared generator back its state."""
+        cpu = x.device.type == "cpu"
+        with torch.random.fork_rng(devices=[] if cpu else [x.device], device_type=x.device.type):
+            torch.manual_seed(self.sharded_seed)
+            self.sharded_seed += 1
+            yield
+
+    def _residual_rng(self, x: torch.Tensor):
+        # under sequence parallelism each rank holds other tokens: masks of their own
+        return self.rank_rng(x) if self.sequence_parallel else contextlib.nullcontext()
 
     def _attention(self, x):
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         b, s, local = q.shape
         q, k, v = (z.view(b, s, self.heads, local // self.heads).transpose(1, 2) for z in (q, k, v))
         p = self.config.dropout if self.training else 0.0
-        with torch.random.fork_rng(devices=[]):  # a different dropout mask per rank's heads
-            torch.manual_seed(self.sharded_seed)
+        with self.rank_rng(x):  # a different dropout mask per rank's heads
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-            self.sharded_seed += 1
         return y.transpose(1, 2).reshape(b, s, local)
 
 
