@@ -108,11 +108,11 @@ def test_checkpoint_formulas_known_values():
     assert memory.checkpoint_saved_bytes(12, 2, 8, segment=4) == 3 * 16 * 4
     assert memory.checkpoint_saved_bytes(10, 1, 1, segment=3) == 4 * 4  # ceil(10/3) inputs
     assert memory.checkpoint_saved_bytes(12, 2, 8, itemsize=2) == 6912 // 2
-    # the peak: kept segment inputs plus one segment recomputed, (L/s + 9 s) units
+    # the peak: kept segment inputs plus one segment recomputed, (L/c + 9 c) units
     assert memory.checkpoint_peak_bytes(12, 2, 8) == memory.checkpoint_saved_bytes(12, 2, 8)
     assert memory.checkpoint_peak_bytes(36, 1, 1, segment=2) == (18 + 18) * 4
-    # smallest at s = sqrt(L / 9): for 36 layers, segments of 2
-    peaks = {s: memory.checkpoint_peak_bytes(36, 1, 1, s) for s in range(1, 37)}
+    # smallest at c = sqrt(L / 9): for 36 layers, segments of 2
+    peaks = {c: memory.checkpoint_peak_bytes(36, 1, 1, c) for c in range(1, 37)}
     assert min(peaks, key=peaks.get) == 2
 
 

@@ -67,17 +67,20 @@ def test_draw_ranks_puts_each_process_on_its_node_in_its_colour():
 
 
 def test_draw_collective_colours_values_by_the_rank_they_came_from():
-    # all_reduce on 3 ranks, as lab07_collectives.run_primitive returns it
-    before = [torch.tensor([10.0 * r, 10.0 * r + 1]) for r in range(3)]
-    results = [{"before": b, "ours": torch.tensor([30.0, 33.0])} for b in before]
+    # all_reduce on 3 ranks, on chapter 7's example in the shape
+    # lab07_collectives.run_primitive returns: rank r holds [1, 2, 3] x 10^r, and every rank
+    # ends with the sums [111, 222, 333]
+    before = [torch.tensor([1.0, 2.0, 3.0]) * 10**r for r in range(3)]
+    results = [{"before": b, "ours": torch.tensor([111.0, 222.0, 333.0])} for b in before]
     ax = collectives.draw_collective(results, "all_reduce")
     assert {"rank 0", "rank 2", "before", "after", "all_reduce"} <= set(texts(ax))
     values = [t for t in texts(ax) if t.isdigit()]  # rank by rank: before, then after
-    assert values == ["0", "1", "30", "33", "10", "11", "30", "33", "20", "21", "30", "33"]
+    sums = ["111", "222", "333"]
+    assert values == ["1", "2", "3", *sums, "10", "20", "30", *sums, "100", "200", "300", *sums]
     colours = facecolors(ax)
-    for rank in range(3):  # per rank: its two values, then the two sums
-        mine = colours[4 * rank : 4 * rank + 4]
-        assert mine == [style.rank_color(rank).lower()] * 2 + [collectives.COMBINED] * 2
+    for rank in range(3):  # per rank: its three values, then the three sums
+        mine = colours[6 * rank : 6 * rank + 6]
+        assert mine == [style.rank_color(rank).lower()] * 3 + [collectives.COMBINED] * 3
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5])

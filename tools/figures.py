@@ -41,7 +41,7 @@ def checkpoint_memory(layers: int = 16, batch: int = 512, d: int = 64):
     """Chapter 4: an MLP stack's activation memory measured for segments of 1 to 16
     blocks (and none), next to the formulas."""
     stack, x = MLPStack(layers, d), torch.randn(batch, d)
-    measured = {s: lab04_checkpointing.step_memory(stack, x, s) for s in (None, 1, 2, 4, 8, 16)}
+    measured = {c: lab04_checkpointing.step_memory(stack, x, c) for c in (None, 1, 2, 4, 8, 16)}
     return one_device.draw_checkpoint_memory(measured, layers, batch, d)
 
 

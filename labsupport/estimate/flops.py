@@ -59,6 +59,8 @@ def training_days(flops, num_gpus, peak_flops, mfu=ASSUMED_MFU):
     """Days of training for ``flops`` on ``num_gpus`` GPUs at model FLOPs utilization ``mfu``.
 
     MFU (Chowdhery et al. 2022, PaLM, section 4.1) is the share of the GPUs' peak FLOP/s
-    that goes into the model's own FLOPs (6·N per token, recomputation not counted).
+    that goes into the model's own FLOPs (PaLM's appendix B: 6·N plus attention's 12·l·h·s
+    per token, for l layers of width h and sequences of s tokens; recomputation not counted).
+    The course counts 6·N·D, which leaves attention out.
     """
     return flops / (num_gpus * peak_flops * mfu) / SECONDS_PER_DAY

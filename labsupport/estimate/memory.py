@@ -111,7 +111,8 @@ def activation_memory(
 
 
 def checkpoint_saved_bytes(layers: int, batch: int, d: int, segment=None, itemsize=4) -> int:
-    """Saved activations: ``9·L·b·d`` elements without checkpointing, ``(L/s)·b·d`` with."""
+    """Saved activations: ``9·L·b·d`` elements without checkpointing, ``(L/c)·b·d`` with
+    segments of ``c`` blocks (each segment's input, ``ceil(L/c)`` of them)."""
     units = BLOCK_UNITS * layers if segment is None else math.ceil(layers / segment)
     return units * batch * d * itemsize
 
@@ -119,8 +120,10 @@ def checkpoint_saved_bytes(layers: int, batch: int, d: int, segment=None, itemsi
 def checkpoint_peak_bytes(layers: int, batch: int, d: int, segment=None, itemsize=4) -> int:
     """Chen et al.'s estimate of the peak: kept segment inputs plus one segment recomputed.
 
-    ``(L/s + 9·s)·b·d`` elements with segments of ``s`` blocks, ``9·L·b·d`` without. The
-    minimum over ``s`` is at ``s = sqrt(L/9)``: ``O(sqrt(L))`` memory.
+    ``(L/c + 9·c)·b·d`` elements with segments of ``c`` blocks, ``9·L·b·d`` without. The
+    minimum over ``c`` is at ``c = sqrt(L/9)``, ``6·sqrt(L)·b·d``: ``O(sqrt(L))`` memory holds
+    for segments of ``sqrt(L/9)`` blocks; one checkpoint per block (``c = 1``) keeps
+    ``L + 9`` units, ``O(L)``.
     """
     if segment is None:
         units = BLOCK_UNITS * layers

@@ -55,7 +55,7 @@ class MLPStack(nn.Module):
         self.blocks = nn.ModuleList(ResidualBlock(d) for _ in range(layers))
 
     def forward(self, x, segment: int | None = None):
-        """Run the blocks; with ``segment=s``, checkpoint every run of ``s`` blocks.
+        """Run the blocks; with ``segment=c``, checkpoint every run of ``c`` blocks.
 
         A checkpointed segment keeps only its input; backward re-runs its forward to
         get the rest (``use_reentrant=False``, the implementation PyTorch recommends).

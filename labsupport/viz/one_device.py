@@ -11,37 +11,37 @@ from labsupport.viz.style import figure, rank_color
 
 def draw_checkpoint_memory(measured: dict, layers: int, batch: int, d: int):
     """Chapter 4: activation memory of an :class:`~labsupport.models.MLPStack` without and
-    with checkpointing, measured next to the formulas, for several segment sizes.
+    with checkpointing, measured next to the formulas, for several segment lengths.
 
-    ``measured`` maps a segment size (``None``: no checkpointing) to what
+    ``measured`` maps a segment length (``None``: no checkpointing) to what
     :func:`labsupport.labs.lab04_checkpointing.step_memory` returns: ``after_forward`` and
     ``peak`` bytes.
     """
     unit = batch * d * 4
     cases = list(measured)
     fig, ax = figure(7.5, 3.4)
-    labels = ["none" if s is None else str(s) for s in cases]
+    labels = ["none" if c is None else str(c) for c in cases]
     pos = range(len(cases))
     ax.bar(
         [p - 0.2 for p in pos],
-        [measured[s]["after_forward"] / unit for s in cases],
+        [measured[c]["after_forward"] / unit for c in cases],
         0.4,
         color=rank_color(0),
         label="kept after forward (measured)",
     )
     ax.bar(
         [p + 0.2 for p in pos],
-        [measured[s]["peak"] / unit for s in cases],
+        [measured[c]["peak"] / unit for c in cases],
         0.4,
         color=rank_color(1),
         label="peak in forward + backward (measured)",
     )
-    kept = [checkpoint_saved_bytes(layers, batch, d, s) / unit for s in cases]
-    peak = [checkpoint_peak_bytes(layers, batch, d, s) / unit for s in cases]
-    ax.plot([p - 0.2 for p in pos], kept, "k_", ms=22, mew=2, label="formula: kept (L/s)")
-    ax.plot([p + 0.2 for p in pos], peak, "k.", ms=9, label="formula: peak (L/s + 9s)")
+    kept = [checkpoint_saved_bytes(layers, batch, d, c) / unit for c in cases]
+    peak = [checkpoint_peak_bytes(layers, batch, d, c) / unit for c in cases]
+    ax.plot([p - 0.2 for p in pos], kept, "k_", ms=22, mew=2, label="formula: kept (L/c)")
+    ax.plot([p + 0.2 for p in pos], peak, "k.", ms=9, label="formula: peak (L/c + 9c)")
     ax.set_xticks(list(pos), labels)
-    ax.set_xlabel("checkpointed segment size s (blocks); 'none' = no checkpointing")
+    ax.set_xlabel("checkpointed segment length c (blocks); 'none' = no checkpointing")
     ax.set_ylabel("memory (units of b·d·4 bytes)")
     ax.set_title(f"Activation memory of {layers} MLP blocks (b={batch}, d={d})")
     ax.legend(fontsize=8, frameon=False, loc="upper center")
