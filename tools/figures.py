@@ -17,6 +17,7 @@ from labsupport import launch
 from labsupport.labs import lab04_checkpointing, lab07_collectives, lab10_data_parallel
 from labsupport.labs.lab06_launching import global_rank
 from labsupport.labs.lab12_memory import layer_costs
+from labsupport.labs.lab15_megatron import bloom_stack_figure
 from labsupport.models import MLPStack
 from labsupport.viz import clusters, collectives, dtypes, one_device, ranks, roofline, walls
 from labsupport.viz import parameter_server as ps_figures
@@ -82,6 +83,7 @@ FIGURES = {
     "13-mesh.png": sharding_figures.mesh_orders_figure,
     "13-planner.png": sharding_figures.published_breakdown_figure,
     "14-zero.png": sharding_figures.zero_memory_figure,
+    "15-stack.png": bloom_stack_figure,
     "09-sync-async.png": ps_figures.sync_async_figure,
     "09-server-traffic.png": ps_figures.server_traffic_figure,
     "10-overlap.png": lab10_data_parallel.overlap_figure,
