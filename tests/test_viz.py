@@ -16,11 +16,12 @@ from matplotlib.testing.compare import compare_images
 from matplotlib.text import Text
 
 from labsupport.comm.cost import p2p_time
-from labsupport.estimate import datasheets
+from labsupport.estimate import datasheets, reliability
 from labsupport.estimate.memory import checkpoint_peak_bytes, checkpoint_saved_bytes
 from labsupport.estimate.roofline import roofline
 from labsupport.estimate.walls import crossover_devices
 from labsupport.viz import clusters, collectives, dtypes, one_device, ranks, style, walls
+from labsupport.viz import reliability as reliability_figures
 from labsupport.viz import roofline as roofline_figures
 from tools import figures
 
@@ -261,6 +262,49 @@ def test_rail_topology_joins_gpu_k_of_every_node_to_leaf_k():
     assert sum(1 for t in labels if t.startswith("spine switch")) == 2
     rail0 = [line for line in ax.lines if to_hex(line.get_color()) == "#000000"]
     assert len(rail0) == 4  # GPU 0 of each of the 4 nodes, drawn in black
+
+
+# --------------------------------------------------------------------------- fault tolerance
+
+
+def test_job_mtbf_falls_as_one_over_the_gpus_and_marks_are_on_the_line():
+    per_gpu = 50_000 * 3600.0
+    ax = reliability_figures.draw_job_mtbf(per_gpu, marks={"Llama 3": 16_384})
+    line, mark = ax.lines[0], ax.lines[1]
+    n, hours = line.get_xdata(), line.get_ydata()
+    np.testing.assert_allclose(hours * n, 50_000)
+    assert mark.get_xdata()[0] == 16_384
+    assert mark.get_ydata()[0] == pytest.approx(50_000 / 16_384)
+    assert any("Llama 3\n3.1 h" in t for t in texts(ax))
+
+
+def test_wasted_fraction_curve_is_least_at_youngs_interval():
+    c, m = 40.0, 11_130.0
+    ax = reliability_figures.draw_wasted_fraction(c, m)
+    first, daly_model, young = ax.lines[0], ax.lines[1], ax.lines[2]
+    minutes, percent = first.get_xdata(), first.get_ydata()
+    best = reliability.young_interval(c, m) / 60
+    assert young.get_xdata()[0] == pytest.approx(best)
+    assert minutes[np.argmin(percent)] == pytest.approx(best, rel=0.02)
+    assert percent.min() == pytest.approx(100 * np.sqrt(2 * c / m), rel=1e-3)
+    assert np.all(daly_model.get_ydata() <= percent + 1e-9)  # 1 - 1/(1 + W) <= W, about
+    assert any("every 16 min" in t for t in texts(ax))
+
+
+def test_resumed_curve_splits_at_the_checkpoint():
+    straight = [5.0, 4.0, 3.0, 2.5, 2.0]
+    ax = reliability_figures.draw_resumed(straight, straight, resumed_at=3, killed_at=4)
+    whole, before, after = ax.lines[:3]
+    assert list(whole.get_ydata()) == straight
+    assert list(before.get_xdata()) == [0, 1, 2] and list(after.get_xdata()) == [3, 4]
+    assert "resumed from step 3" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_the_chapter_figure_has_both_panels():
+    fig = reliability_figures.failures_figure()
+    left, right = fig.axes
+    assert "384 (BLOOM's size)\n5 days" in texts(left)
+    assert any("8.5% wasted" in t for t in texts(right))
 
 
 # --------------------------------------------------------------------------- the chapters'

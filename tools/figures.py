@@ -22,6 +22,7 @@ from labsupport.models import MLPStack
 from labsupport.viz import clusters, collectives, dtypes, one_device, ranks, roofline, walls
 from labsupport.viz import parameter_server as ps_figures
 from labsupport.viz import pipeline as pipeline_figures
+from labsupport.viz import reliability as reliability_figures
 from labsupport.viz import sharding as sharding_figures
 from labsupport.viz import tensor_parallel as tp_figures
 from labsupport.viz.style import subplots
@@ -84,6 +85,7 @@ FIGURES = {
     "13-planner.png": sharding_figures.published_breakdown_figure,
     "14-zero.png": sharding_figures.zero_memory_figure,
     "15-stack.png": bloom_stack_figure,
+    "16-failures.png": reliability_figures.failures_figure,
     "09-sync-async.png": ps_figures.sync_async_figure,
     "09-server-traffic.png": ps_figures.server_traffic_figure,
     "10-overlap.png": lab10_data_parallel.overlap_figure,
