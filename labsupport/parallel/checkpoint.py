@@ -15,7 +15,8 @@ between ranks. So:
 
 A checkpoint holds the model, the optimizer's state, the step (from which the
 learning-rate schedule and the data position follow) and every rank's RNG states: resumed,
-the run continues as if it had never stopped.
+the run continues as if it had never stopped. :func:`save_async` writes one in the
+background while training goes on.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_map
 
 from labsupport.launch.runtime import device
 
@@ -35,6 +37,30 @@ from labsupport.launch.runtime import device
 def save(state: dict, path: str, group=None) -> None:
     """Write ``state`` (every rank calls it) to the folder ``path``."""
     dcp.save(state, checkpoint_id=path, process_group=group)
+
+
+def save_async(state: dict, path: str, group=None):
+    """Start writing ``state`` to the folder ``path`` in a background thread (every rank
+    calls it) and return a future: ``.result()`` waits until the checkpoint is complete.
+
+    ``state`` is copied before this returns, so training may go on and change it. The
+    writer agrees on a plan with the other ranks, with collectives run from its thread:
+    give it a process group of its own (``dist.new_group(backend="gloo")``), so that they
+    never interleave with the training's collectives on the same group. (DCP copies the
+    state to host memory itself, but in torch 2.13 its copy fails on a DTensor whose local
+    tensor is a view into a larger buffer, as a ZeRO shard is; so each tensor is first
+    copied into storage of its own.)
+    """
+    return dcp.async_save(tree_map(_own_copy, state), checkpoint_id=path, process_group=group)
+
+
+def _own_copy(value):
+    if isinstance(value, DTensor):
+        local = value.to_local().detach().clone()
+        return DTensor.from_local(
+            local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
+        )
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def load(state: dict, path: str, group=None) -> None:

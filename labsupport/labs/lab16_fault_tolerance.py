@@ -1,0 +1,267 @@
+"""Lab 16, fault tolerance: a training run that checkpoints, a rank killed by SIGKILL,
+the resume that continues it exactly, torchrun restarting a job by itself, a checkpoint
+of 4 ranks loaded by 2, and asynchronous checkpoints.
+
+The run trains the course GPT, with dropout, data-parallel with the course's ZeRO-1
+(:mod:`labsupport.parallel.zero`) and Adam, a learning rate that warms up and decays,
+and a data set read in a new order every epoch. Its checkpoints
+(:mod:`labsupport.parallel.checkpoint`) hold everything it needs to go on exactly: the
+parameters and Adam's states (sharded over the ranks), the step (from which the
+learning rate and the position in the data follow), every rank's random-number
+generator, and the losses so far.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from labsupport.comm import traced
+from labsupport.estimate import reliability
+from labsupport.labs.cells import exercise
+from labsupport.launch.runtime import device
+from labsupport.models import random_tokens, tiny_gpt
+from labsupport.parallel import checkpoint as ck
+from labsupport.parallel.zero import ZeRO
+
+#: 16 sequences of 32 tokens per step from a data set of 64: 4 steps per epoch.
+BATCH, SEQ, VOCAB, DATASET = 16, 32, 256, 64
+#: 12 steps, a checkpoint every 4, a peak learning rate after 3 steps of warm-up.
+STEPS, EVERY, LR, WARMUP = 12, 4, 3e-3, 3
+
+
+def learning_rate(step: int, steps: int = STEPS) -> float:
+    """Linear warm-up for :data:`WARMUP` steps, then cosine decay to a tenth: a function
+    of the step alone, so the step is all a checkpoint needs to restore it."""
+    if step < WARMUP:
+        return LR * (step + 1) / WARMUP
+    progress = (step - WARMUP) / max(1, steps - WARMUP)
+    return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch(step: int):
+    """This rank's part of step ``step``'s batch: the data set is read in an order
+    shuffled anew each epoch (seeded by the epoch), so the step fixes the position."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, targets = random_tokens(DATASET, SEQ, VOCAB, seed=1234)
+    epoch, i = divmod(step, DATASET // BATCH)
+    order = torch.randperm(DATASET, generator=torch.Generator().manual_seed(epoch))
+    mine = order[i * BATCH : (i + 1) * BATCH][rank * BATCH // world : (rank + 1) * BATCH // world]
+    return tokens[mine].to(device()), targets[mine].to(device())
+
+
+def new_run(stage: int = 1):
+    """The model (the same on every rank) and its ZeRO optimizer; then each rank seeds
+    its own generator, so the ranks draw different dropout masks."""
+    model = tiny_gpt(0, block_size=SEQ, dropout=0.1).to(device())
+    zero = ZeRO(model, stage, lr=LR)
+    torch.manual_seed(1000 + dist.get_rank())
+    return model, zero
+
+
+def training_state(zero: ZeRO, step: int, losses: list) -> dict:
+    """Everything the run needs to go on exactly (every rank calls it)."""
+    return {"zero": ck.zero_state(zero), "step": step, "rng": ck.rng_state(), "losses": losses}
+
+
+def checkpoint_path(root: str, step: int) -> str:
+    return os.path.join(root, f"step{step:05d}")
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint under ``root``; one that a failure interrupted
+    while it was written has no ``.metadata`` (DCP writes it last) and is passed over."""
+    if not os.path.isdir(root):
+        return None
+    done = [d for d in os.listdir(root) if re.fullmatch(r"step\d+", d)]
+    done = [d for d in done if os.path.exists(os.path.join(root, d, ".metadata"))]
+    return os.path.join(root, max(done, key=lambda d: int(d[4:]))) if done else None
+
+
+#: What :func:`train` can leave out of a resume, to see that each is needed.
+PARTS = ("optimizer states", "RNG states", "step")
+
+
+def resume(zero: ZeRO, path: str, leave_out=()) -> tuple[int, list]:
+    """Load the checkpoint at ``path`` into ``zero`` and this rank's generator; returns
+    the step to go on from and the losses so far. ``leave_out`` names parts of
+    :data:`PARTS` to start afresh instead, as if the checkpoint had not saved them."""
+    state = training_state(zero, 0, [])
+    ck.load(state, path)
+    ck.restore_zero(zero)
+    ck.set_rng_state(state["rng"])
+    if "optimizer states" in leave_out:
+        for _, unit in zero.units:
+            zero.optimizer.state[unit.shard] = {}  # Adam starts again: no moments, step 0
+    if "RNG states" in leave_out:
+        torch.manual_seed(1000 + dist.get_rank())
+    step = 0 if "step" in leave_out else state["step"]
+    return step, list(state["losses"])
+
+
+def train_step(model, zero: ZeRO, step: int, steps: int = STEPS) -> float:
+    """One step of the run; returns the loss of the whole batch (the mean over ranks)."""
+    for group in zero.optimizer.param_groups:
+        group["lr"] = learning_rate(step, steps)
+    zero.zero_grad()
+    _, loss = model(*batch(step))
+    loss.backward()
+    zero.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def train(root: str, steps: int = STEPS, every=EVERY, kill=None, resume_from=None, leave_out=()):
+    """Train, writing a checkpoint under ``root`` every ``every`` steps (never if
+    ``every`` is ``None``).
+
+    ``kill=(rank, step)``: that rank kills itself with SIGKILL as the step begins, as a
+    failed GPU would stop its process. ``resume_from``: a checkpoint to go on from
+    (``leave_out``: see :func:`resume`). Returns the losses of every step (the mean over
+    the ranks), the step it started at, and the seconds the steps, each save and the
+    load took.
+    """
+    model, zero = new_run()
+    rank, start, losses, saves, load_s = dist.get_rank(), 0, [], [], None
+    if resume_from is not None:
+        began = time.perf_counter()
+        start, losses = resume(zero, resume_from, leave_out)
+        dist.barrier()
+        load_s = time.perf_counter() - began
+    step_s = 0.0
+    for step in range(start, steps):
+        if kill is not None and (rank, step) == tuple(kill):
+            os.kill(os.getpid(), signal.SIGKILL)
+        began = time.perf_counter()
+        losses.append(train_step(model, zero, step, steps))
+        step_s += time.perf_counter() - began
+        if every and (step + 1) % every == 0:
+            began = time.perf_counter()
+            ck.save(training_state(zero, step + 1, losses), checkpoint_path(root, step + 1))
+            dist.barrier()  # the checkpoint is complete once every rank has written
+            saves.append(time.perf_counter() - began)
+    seconds = {"step_s": step_s / max(1, steps - start), "save_s": saves, "load_s": load_s}
+    return {"start": start, "losses": losses, **seconds}
+
+
+def first_difference(losses: list, reference: list) -> int | None:
+    """The first step whose loss differs from ``reference``'s, or ``None``."""
+    pairs = zip(losses, reference, strict=False)  # a run that restarted at 0 is longer
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+
+
+def gathered_state(path: str) -> dict:
+    """Load the checkpoint at ``path`` on however many ranks run this, and put every
+    shard back together: the full parameters and Adam moments, as flat tensors."""
+    _, zero = new_run()
+    state = training_state(zero, 0, [])
+    ck.load(state, path)
+    whole = {}
+    for i, (_, unit) in enumerate(zero.units):
+        numel, adam = unit.offsets[-1][1], zero.optimizer.state[unit.shard]
+        for name, shard in (("parameters", unit.shard), ("exp_avg", adam["exp_avg"])):
+            whole[f"unit{i}.{name}"] = traced.all_gather(shard.detach(), 0)[:numel].cpu()
+        whole[f"unit{i}.exp_avg_sq"] = traced.all_gather(adam["exp_avg_sq"], 0)[:numel].cpu()
+    return whole
+
+
+# --------------------------------------------------------------------------- async
+
+
+def async_checkpoint(root: str, steps: int = EVERY) -> dict:
+    """Train ``steps`` steps, then write the run's state twice: with
+    :func:`~labsupport.parallel.checkpoint.save` (training waits until it is written) and
+    with :func:`~labsupport.parallel.checkpoint.save_async` (training waits for the copy
+    only, and takes its next step while the writer works). Returns the seconds training
+    waited for each, whether the asynchronous checkpoint holds the parameters as they
+    were when it was started, and whether the step taken meanwhile changed them."""
+    model, zero = new_run()
+    losses = [train_step(model, zero, step) for step in range(steps)]
+    state = training_state(zero, steps, losses)
+    dist.barrier()
+    began = time.perf_counter()
+    ck.save(state, os.path.join(root, "blocking"))
+    blocking = time.perf_counter() - began
+    writer_group = dist.new_group(backend="gloo")  # the writer's collectives, not training's
+    expected = [unit.shard.detach().clone() for _, unit in zero.units]
+    dist.barrier()
+    began = time.perf_counter()
+    future = ck.save_async(state, os.path.join(root, "async"), writer_group)
+    returned = time.perf_counter() - began
+    train_step(model, zero, steps)  # training goes on while the checkpoint is written
+    future.result()
+    written = time.perf_counter() - began
+    _, fresh = new_run()
+    ck.load(training_state(fresh, 0, []), os.path.join(root, "async"))
+    held = all(
+        torch.equal(unit.shard.detach(), want)
+        for (_, unit), want in zip(fresh.units, expected, strict=True)
+    )
+    moved = not all(
+        torch.equal(unit.shard.detach(), want)
+        for (_, unit), want in zip(zero.units, expected, strict=True)
+    )
+    return {
+        "blocking_s": blocking,
+        "async_returned_s": returned,
+        "async_written_s": written,
+        "held_the_state": held,
+        "training_went_on": moved,
+    }
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+@exercise
+def check_checkpoint_interval(fn) -> str:
+    """Exercise 1: ``fn(checkpoint_s, mtbf_s)`` must give the interval that wastes least."""
+    for c, m in [(40.0, 3 * 3600.0), (60.0, 11_130.0), (1.0, 3600.0), (300.0, 86_400.0)]:
+        got = fn(c, m)
+        assert isinstance(got, int | float) and got > 0, f"C={c} s, M={m} s: got {got!r}"
+        best = reliability.young_interval(c, m)
+        waste = reliability.wasted_fraction(got, c, m)
+        assert abs(got - best) <= 1e-3 * best, (
+            f"C={c} s, M={m:.0f} s: got {got:.1f} s, which wastes {waste:.2%} of the time; "
+            f"another interval wastes {reliability.wasted_fraction(best, c, m):.2%} (write "
+            "the waste C/τ + τ/(2M) and find where its derivative is zero)"
+        )
+    return "Young's interval for four checkpoint costs and failure rates"
+
+
+@exercise
+def check_newest_complete(fn) -> str:
+    """Exercise 2: ``fn(root)`` must name the newest checkpoint that is complete."""
+    import tempfile
+
+    layouts = [
+        ({"step4": True, "step8": True}, "step8"),
+        ({"step4": True, "step8": False}, "step4"),  # step 8 was interrupted while written
+        ({"step9": True, "step10": True, "step12": False}, "step10"),  # 10 comes after 9
+        ({"step4": False}, None),
+        ({}, None),
+    ]
+    for folders, want in layouts:
+        with tempfile.TemporaryDirectory() as root:
+            for name, complete in folders.items():
+                os.makedirs(os.path.join(root, name))
+                open(os.path.join(root, name, "__0_0.distcp"), "w").close()
+                if complete:
+                    open(os.path.join(root, name, ".metadata"), "w").close()
+            got = fn(root)
+            got = os.path.basename(got) if got else got
+        state = ", ".join(
+            f"{n} ({'complete' if c else 'no .metadata'})" for n, c in folders.items()
+        )
+        assert got == want, (
+            f"checkpoints {state or 'none'}: got {got!r}, expected {want!r} (is a "
+            "checkpoint complete without .metadata? is step10 newer than step9?)"
+        )
+    return "the newest complete checkpoint of five folders, or None"

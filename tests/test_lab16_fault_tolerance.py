@@ -1,0 +1,171 @@
+"""Lab 16, fault tolerance: a rank killed by SIGKILL and the run resumed exactly, each part
+of the checkpoint needed, partial and corrupt checkpoints refused clearly, an
+asynchronous checkpoint that holds the state it started from, a checkpoint of 4 ranks
+loaded on 2, and the exercises' checkers against the notebook's worked solutions and
+wrong answers. (The checkpoint module itself is in tests/test_parallel_checkpoint.py,
+the failure arithmetic in tests/test_estimate_reliability.py.)"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from notebook_solutions import solution, stub
+
+from labsupport import LaunchError, launch
+from labsupport.labs import lab16_fault_tolerance as lab
+from labsupport.labs import lab16_torchrun
+
+LAB = "16-fault-tolerance.ipynb"
+#: A short run: 6 steps on 2 ranks, a checkpoint every 2.
+SHORT = {"steps": 6, "every": 2}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted short run, and the same run with rank 1 killed at step 5."""
+    root = tmp_path_factory.mktemp("lab16")
+    straight = launch(lab.train, 2, args=(str(root / "straight"),), kwargs=SHORT, timeout=300)
+    with pytest.raises(LaunchError) as killed:
+        kill = {**SHORT, "kill": (1, 5)}
+        launch(lab.train, 2, args=(str(root / "killed"),), kwargs=kill, timeout=300)
+    return {"root": root, "straight": straight[0], "error": killed.value}
+
+
+def test_a_killed_rank_is_the_root_cause_and_the_resume_is_exact(runs):
+    error = runs["error"]
+    assert error.root_rank == 1 and error.failures[1].kind == "signal"
+    assert "SIGKILL" in error.failures[1].summary
+    assert error.failures[0].knock_on
+    path = lab.latest_checkpoint(str(runs["root"] / "killed"))
+    assert os.path.basename(path) == "step00004"  # steps 4 and 5 were done, and lost
+    resumed = launch(
+        lab.train, 2, args=(str(runs["root"] / "killed"),), kwargs={**SHORT, "resume_from": path}
+    )[0]
+    assert resumed["start"] == 4
+    assert resumed["losses"] == runs["straight"]["losses"]  # bit for bit
+
+
+def test_leaving_one_part_out_changes_the_curve_where_it_is_first_used(runs):
+    path = str(runs["root"] / "straight" / "step00004")
+    first = {}
+    for part in lab.PARTS:
+        options = {**SHORT, "resume_from": path, "leave_out": (part,), "every": None}
+        run = launch(lab.train, 2, args=(str(runs["root"] / "none"),), kwargs=options)[0]
+        first[part] = lab.first_difference(run["losses"], runs["straight"]["losses"])
+    assert first == {"optimizer states": 5, "RNG states": 4, "step": 4}
+    assert not os.path.exists(runs["root"] / "none")  # every=None: no checkpoint written
+
+
+def test_first_difference():
+    assert lab.first_difference([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) is None
+    assert lab.first_difference([1.0, 2.5, 3.0], [1.0, 2.0, 3.0]) == 1
+    assert lab.first_difference([1.0, 2.0, 9.0, 9.0], [1.0, 2.0]) is None
+
+
+def test_latest_checkpoint_passes_over_partial_and_foreign_folders(tmp_path):
+    assert lab.latest_checkpoint(str(tmp_path / "nothing")) is None
+    for name, complete in [("step00004", True), ("step00012", True), ("step00016", False)]:
+        (tmp_path / name).mkdir()
+        if complete:
+            (tmp_path / name / ".metadata").write_bytes(b"")
+    (tmp_path / "step00020.tmp").mkdir()
+    (tmp_path / "step00020.tmp" / ".metadata").write_bytes(b"")
+    assert lab.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step00012")
+    shutil.rmtree(tmp_path / "step00012")
+    shutil.rmtree(tmp_path / "step00004")
+    assert lab.latest_checkpoint(str(tmp_path)) is None
+
+
+def test_partial_and_corrupt_checkpoints_are_refused_clearly(runs, tmp_path):
+    good = runs["root"] / "straight" / "step00004"
+    partial, corrupt = tmp_path / "partial", tmp_path / "corrupt"
+    shutil.copytree(good, partial)
+    (partial / ".metadata").unlink()
+    shutil.copytree(good, corrupt)
+    for data in Path(corrupt).glob("*.distcp"):
+        data.write_bytes(b"not a checkpoint")
+    for path, message in [(partial, "incomplete"), (corrupt, "cannot be read")]:
+        with pytest.raises(LaunchError, match=message):
+            launch(lab.train, 2, args=(str(tmp_path),), kwargs={**SHORT, "resume_from": str(path)})
+
+
+def test_an_async_checkpoint_holds_the_state_it_started_from(tmp_path):
+    results = launch(lab.async_checkpoint, 2, args=(str(tmp_path),), kwargs={"steps": 2})
+    for r in results:
+        assert r["training_went_on"] and r["held_the_state"]
+        assert r["async_written_s"] >= r["async_returned_s"] > 0
+    assert (tmp_path / "async" / ".metadata").exists()
+
+
+def test_a_checkpoint_of_4_ranks_loads_on_2_and_resumes(tmp_path):
+    root = str(tmp_path / "four")
+    launch(lab.train, 4, args=(root,), kwargs={"steps": 2, "every": 2}, timeout=300)
+    path = lab.latest_checkpoint(root)
+    on4 = launch(lab.gathered_state, 4, args=(path,), timeout=300)[0]
+    on2 = launch(lab.gathered_state, 2, args=(path,), timeout=300)[0]
+    assert on4.keys() == on2.keys()
+    assert all(torch.equal(on4[k], on2[k]) for k in on4)
+    assert any(on4[k].abs().sum() > 0 for k in on4 if "exp_avg" in k)  # Adam's states came
+    options = {"steps": 3, "every": None, "resume_from": path}
+    resumed = launch(lab.train, 2, args=(root,), kwargs=options, timeout=300)[0]
+    assert resumed["start"] == 2 and len(resumed["losses"]) == 3
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def test_torchrun_lines_lose_their_times_pids_and_paths():
+    line = (
+        "E1203 03:16:14.792000 7353 .venv/lib/python3.11/site-packages/torch/distributed/"
+        "elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 2 "
+        "(pid: 7358) of binary: /work/main/.venv/bin/python"
+    )
+    assert lab16_torchrun._message(line) == "failed (exitcode: -9) local_rank: 2"
+    info = "I1203 03:16:16.131000 7353 x/api.py:553]   restart_count=1"
+    assert lab16_torchrun._message(info) == "restart_count=1"
+
+
+# --------------------------------------------------------------------------- exercises
+
+
+@pytest.mark.parametrize(
+    ("check", "name"),
+    [
+        (lab.check_checkpoint_interval, "checkpoint_interval"),
+        (lab.check_newest_complete, "newest_complete"),
+    ],
+)
+def test_checkers_accept_the_solutions_and_say_not_attempted_to_the_stub(check, name, capsys):
+    assert check(solution(LAB, name))
+    assert "Correct" in capsys.readouterr().out
+    assert not check(stub(name))
+    assert "Not attempted yet" in capsys.readouterr().out
+
+
+def test_interval_checker_rejects_a_missing_factor_and_the_mtbf_itself():
+    with pytest.raises(AssertionError, match="derivative"):
+        lab.check_checkpoint_interval(lambda c, m: math.sqrt(c * m))
+    with pytest.raises(AssertionError, match="wastes"):
+        lab.check_checkpoint_interval(lambda c, m: m)
+    with pytest.raises(AssertionError, match="got"):
+        lab.check_checkpoint_interval(lambda c, m: None)
+
+
+def test_newest_checker_rejects_ignoring_metadata_and_comparing_names_as_text():
+    def newest_folder(root):
+        names = [n for n in os.listdir(root) if n.startswith("step")]
+        return os.path.join(root, max(names, key=lambda n: int(n[4:]))) if names else None
+
+    def newest_by_text(root):
+        names = [n for n in os.listdir(root) if os.path.exists(os.path.join(root, n, ".metadata"))]
+        return os.path.join(root, max(names)) if names else None
+
+    with pytest.raises(AssertionError, match="complete without .metadata"):
+        lab.check_newest_complete(newest_folder)
+    with pytest.raises(AssertionError, match="step10"):
+        lab.check_newest_complete(newest_by_text)
