@@ -97,6 +97,11 @@ def test_activation_formula_reproduces_the_papers_coefficients():
         sbh * (10 + 24 / t)
     )
     assert memory.activation_memory(s, b, h, a, 1, "full") == 2 * sbh
+    assert memory.activation_memory(s, b, h, a, 1, "full", tensor_parallel=t) == 2 * sbh
+    full_sp = memory.activation_memory(
+        s, b, h, a, 1, "full", tensor_parallel=t, sequence_parallel=True
+    )
+    assert full_sp == pytest.approx(2 * sbh / t)
     assert memory.activation_memory(s, b, h, a, 96) == pytest.approx(96 * per_layer)
     with pytest.raises(ValueError):
         memory.activation_memory(s, b, h, a, 1, "some")

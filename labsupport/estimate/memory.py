@@ -84,7 +84,9 @@ def activation_memory(
       2 bytes (layer-norm inputs 2, attention 5, MLP 9) plus 2 dropout masks; 5·a·s/h =
       the softmax output and its dropout output (2 bytes) and mask (1 byte), a·s² each;
     * selective recomputation (the attention core recomputed): 34·s·b·h;
-    * full recomputation (only each layer's input kept): 2·s·b·h.
+    * full recomputation (only each layer's input kept): 2·s·b·h, divided by t under
+      sequence parallelism, where that input is split along the sequence (Megatron
+      checkpoints the sequence-parallel hidden state).
 
     ``bytes_per_value`` and ``mask_bytes`` generalise the counts (34 = 16·2 + 2·1 and
     5 = 2·2 + 1) to other dtypes. ``tensor_parallel`` = t divides the tensors that
@@ -97,7 +99,7 @@ def activation_memory(
     p, m, t = bytes_per_value, mask_bytes, tensor_parallel
     sbh = seq_len * batch * hidden
     if recompute == "full":
-        return layers * sbh * p
+        return layers * sbh * p / (t if sequence_parallel else 1)
     split = 12 * p  # Q, K, V, attention output, the MLP's 4h input and output
     unsplit = 4 * p + 2 * m  # two layer-norm inputs, QKV and MLP inputs, two masks
     per_token = (split + unsplit) / t if sequence_parallel else split / t + unsplit

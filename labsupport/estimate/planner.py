@@ -173,7 +173,7 @@ def memory(model: Transformer, layout: Layout, global_batch: int) -> dict:
         )
 
     if layout.recompute == "full":  # each layer's input, and one layer rerun at a time
-        kept, working = 2 * s * b * h / (t if sp else 1), per_layer("selective")
+        kept, working = per_layer("full"), per_layer("selective")
     else:
         kept, working = per_layer(layout.recompute), 0
     activations = in_flight(layout.pp, m, layout.chunks) * layers * kept + working
