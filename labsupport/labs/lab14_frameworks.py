@@ -83,9 +83,17 @@ def _tensors(tree):
             yield from _tensors(value)
 
 
+def use_deepspeed_accelerator() -> str:
+    """Tell DeepSpeed which accelerator to use (before it is imported): the device the
+    course's code computes on, this rank's GPU or the CPU."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device().type == "cuda" else "cpu")
+    return os.environ["DS_ACCELERATOR"]
+
+
 def _import_deepspeed():
-    """DeepSpeed, quietly: the CPU accelerator on a CPU, its log muted."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device().type == "cpu" else "cuda")
+    """DeepSpeed, quietly: the accelerator of :func:`use_deepspeed_accelerator`, its log
+    muted."""
+    use_deepspeed_accelerator()
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         import deepspeed

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from labsupport.labs.cells import exercise
+from labsupport.labs.lab14_frameworks import use_deepspeed_accelerator
 from labsupport.labs.lab14_zero import mean_over_ranks
-from labsupport.labs.lab15_launcher import cpu_accelerator, use_deepspeed_accelerator
+from labsupport.labs.lab15_launcher import cpu_accelerator
 from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.models import random_tokens, tiny_gpt

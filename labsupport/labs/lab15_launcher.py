@@ -24,14 +24,8 @@ import torch.distributed as dist
 
 from labsupport.labs.cells import exercise
 from labsupport.labs.lab06_nodes import _node_environment, _run_nodes, free_port
+from labsupport.labs.lab14_frameworks import use_deepspeed_accelerator
 from labsupport.launch.runtime import device
-
-
-def use_deepspeed_accelerator() -> str:
-    """Tell DeepSpeed which accelerator to use (before it is imported): the device the
-    course's code computes on, this rank's GPU or the CPU."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device().type == "cuda" else "cpu")
-    return os.environ["DS_ACCELERATOR"]
 
 
 @contextlib.contextmanager
