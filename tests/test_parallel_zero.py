@@ -134,3 +134,43 @@ def test_the_same_training_as_pytorchs_own(stage, kind):
     for mine, torch_rank in zip(ours, theirs, strict=True):
         for n in torch_rank:
             torch.testing.assert_close(mine["params"][n], torch_rank[n], **TOL, msg=n)
+
+
+def peak_inside_backward(stage: int) -> dict:
+    """The most bytes of full-size gradients and of gathered weights this rank holds at
+    any point of a backward pass (looked at after every gradient arrives), on a GPT of
+    4 blocks; and each unit's full size."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(**{**CONFIG, "n_layer": 4}))
+    zero = ZeRO(m, stage, lr=LR)
+    peak = {"gradients": 0, "gathered": 0}
+
+    def look(_):
+        grads = sum(p.grad.nbytes for _, u in zero.units for p in u.params if p.grad is not None)
+        gathered = sum(u.full.untyped_storage().nbytes() for _, u in zero.units)
+        peak["gradients"] = max(peak["gradients"], grads)
+        peak["gathered"] = max(peak["gathered"], gathered)
+
+    for p in m.parameters():  # after ZeRO's own hooks
+        p.register_post_accumulate_grad_hook(look)
+    idx, targets = shard_of_batch(0)
+    m(idx, targets)[1].backward()
+    sizes = [u.padded * 4 for _, u in zero.units]  # the blocks, then the root
+    numel = sum(p.numel() for p in m.parameters())
+    return {**peak, "sizes": sizes, "full": numel * 4}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stages_2_and_3_free_as_the_backward_goes(stage):
+    """Stage 1 holds every gradient before it reduce-scatters; stage 2 never holds more
+    than the root's and two blocks' (the one finishing, the next starting); stage 3 also
+    holds gathered weights for at most the root and two blocks."""
+    for r in launch(peak_inside_backward, 3, args=(stage,), timeout=180):
+        if stage == 1:  # one unit, the whole model
+            assert r["gradients"] == r["full"]
+            continue
+        *blocks, root = r["sizes"]
+        bound = root + 2 * max(blocks)
+        assert r["gradients"] <= bound < r["full"]
+        if stage == 3:
+            assert r["gathered"] <= bound < sum(r["sizes"])

@@ -7,16 +7,20 @@ Models". With ``N`` data-parallel ranks and Adam:
   for ``1/N`` of the parameters. After backward the gradients are reduce-scattered (each
   rank gets the average of its shard), each rank steps its shard, and the updated
   shards are all-gathered: ``2Ψ`` elements through each rank's link, as DDP's all-reduce.
-* **stage 2** also shards the gradients: at the end of backward the full gradients are
-  reduce-scattered and freed, so a rank holds ``1/N`` of them between steps.
+* **stage 2** also shards the gradients: as soon as the backward pass has produced
+  every gradient of a unit (a transformer block, or the rest of the model), the unit's
+  gradients are reduce-scattered and freed, so a rank never holds all of them at once
+  and keeps ``1/N`` between steps (DeepSpeed does the same with buckets of
+  ``reduce_bucket_size`` elements).
 * **stage 3** also shards the parameters (as FSDP): each unit (a transformer block; the
   rest of the model, embeddings and head, as the root) is all-gathered before its
-  forward, freed after, all-gathered again before its backward, and its gradient
-  reduce-scattered: ``3Ψ`` elements.
+  forward, freed after, all-gathered again before its backward, and, once its
+  gradients are complete, reduce-scattered and freed: ``3Ψ`` elements.
 
-Parameters live in one flat fp32 buffer per unit, padded to a multiple of ``N`` and
-split evenly; the model's parameters are views into it, and this rank's shard of it is
-the parameter torch's ``Adam`` updates (the same arithmetic as single-process Adam).
+Parameters live in one flat fp32 buffer per unit (stage 1: one for the whole model),
+padded to a multiple of ``N`` and split evenly; the model's parameters are views into
+it, and this rank's shard of it is the parameter torch's ``Adam`` updates (the same
+arithmetic as single-process Adam).
 Collectives go through :mod:`labsupport.comm.traced`, so the labs can count them.
 """
 
@@ -92,7 +96,7 @@ class ZeRO:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
         self.model, self.stage, self.group = model, stage, group
-        modules = _units(model) if stage == 3 else [model]
+        modules = _units(model) if stage >= 2 else [model]
         self.units = []
         for module in modules:
             owned = [(n, p) for n, p in _direct_params(module, model, stage) if p.requires_grad]
@@ -102,9 +106,10 @@ class ZeRO:
                 self.units.append((module, unit))
         self.optimizer = torch.optim.Adam([u.shard for _, u in self.units], **adam)
         if stage >= 2:
-            for p in (p for _, u in self.units for p in u.params):
-                p.register_post_accumulate_grad_hook(self._grad_ready)
-            self._pending = 0
+            for _, unit in self.units:
+                for p in unit.params:
+                    p.register_post_accumulate_grad_hook(lambda _p, u=unit: self._grad_ready(u))
+            self._waiting = {}  # unit -> parameters whose gradient has not arrived yet
         if stage == 3:
             for module, unit in self.units:
                 self._hook(module, unit)
@@ -115,24 +120,36 @@ class ZeRO:
 
     def _hook(self, module: nn.Module, unit: FlatUnit) -> None:
         """Gather a unit before its forward, free it after, gather it before its backward;
-        the end of backward frees it again (:meth:`_end_of_backward`)."""
+        its last gradient frees it again (:meth:`_grad_ready`)."""
         module.register_forward_pre_hook(lambda *_: unit.gather())
         module.register_forward_hook(lambda _m, _i, output: _free_until_backward(unit, output))
 
     # ---------------------------------------------------------------- backward
 
-    def _grad_ready(self, p) -> None:
-        if self._pending == 0:
-            self._pending = 1
+    def _grad_ready(self, unit: FlatUnit) -> None:
+        """Stages 2 and 3: when the last gradient of ``unit`` has been accumulated, no
+        later part of the backward pass needs its weights or its full gradients."""
+        if not self._waiting:  # the first gradient of this backward pass
+            self._waiting = {id(u): len(u.params) for _, u in self.units}
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._waiting[id(unit)] -= 1
+        if self._waiting[id(unit)] == 0:
+            self._reduce(unit)
+
+    def _reduce(self, unit: FlatUnit) -> None:
+        """Reduce-scatter the unit's gradients, keep only this rank's shard, and
+        (stage 3) free its gathered weights."""
+        unit.reduce_scatter_grads()
+        if self.stage == 3:
+            _free(unit)
 
     def _end_of_backward(self) -> None:
-        """Stages 2 and 3: reduce-scatter every unit's gradients, keep only the shard."""
-        self._pending = 0
+        """Units some of whose parameters got no gradient in this backward pass are
+        reduced now, in the same order on every rank."""
         for _, unit in self.units:
-            unit.reduce_scatter_grads()
-            if self.stage == 3:
-                _free(unit)
+            if self._waiting[id(unit)] > 0:
+                self._reduce(unit)
+        self._waiting = {}
 
     def step(self) -> None:
         """Adam on this rank's shards, then (stages 1 and 2) all-gather the new parameters."""
@@ -197,9 +214,9 @@ def _units(model: nn.Module) -> list[nn.Module]:
 
 
 def _direct_params(module: nn.Module, model: nn.Module, stage: int):
-    """The parameters a unit owns: all of them below stages 3; for the root at stage 3,
-    those no block owns (a tied weight once)."""
-    if stage < 3 or module is not model:
+    """The parameters a unit owns: all of them at stage 1 (one unit); for the root at
+    stages 2 and 3, those no block owns (a tied weight once)."""
+    if stage < 2 or module is not model:
         return list(module.named_parameters())
     inside = {id(p) for b in _units(model)[:-1] for p in b.parameters()}
     return [(n, p) for n, p in model.named_parameters() if id(p) not in inside]
