@@ -5,6 +5,7 @@ worked solutions and wrong answers."""
 
 from __future__ import annotations
 
+import ast
 import os
 import time
 
@@ -215,10 +216,17 @@ def test_rank_layout_checker_rejects_round_robin_and_ignoring_num_gpus():
         hosts = list(slots)[:num_nodes] if num_nodes > 0 else list(slots)
         return [(h, i) for h in hosts for i in range(slots[h])]
 
+    def slot_index(hostfile, num_nodes, num_gpus):  # right on hosts of equal size only
+        slots = _parse(hostfile)
+        hosts = list(slots)[:num_nodes] if num_nodes > 0 else list(slots)
+        return [(h, i) for h in hosts for i in range(num_gpus if num_gpus > 0 else slots[h])]
+
     with pytest.raises(AssertionError, match="in which order"):
         launcher.check_rank_layout(round_robin)
     with pytest.raises(AssertionError, match="how many slots"):
         launcher.check_rank_layout(all_slots)
+    with pytest.raises(AssertionError, match=r"local ranks \[0, 1, 2, 0, 1\], where"):
+        launcher.check_rank_layout(slot_index)
 
 
 def test_deepspeeds_rank_layout_numbers_node_by_node():
@@ -229,3 +237,23 @@ def test_deepspeeds_rank_layout_numbers_node_by_node():
         ("worker-1", 0),
         ("worker-1", 1),
     ]
+    # launch.py: local_rank = dist_rank % num_local_procs, a rotation on unequal hosts
+    assert launcher.deepspeed_rank_layout("a slots=3\nb slots=2\n") == [
+        ("a", 0),
+        ("a", 1),
+        ("a", 2),
+        ("b", 1),
+        ("b", 0),
+    ]
+
+
+def test_deepspeeds_launcher_places_ranks_as_the_reference_says():
+    """The real launcher, as two "nodes" of 3 and 2 processes: every process's host
+    (its CROSS_RANK) and LOCAL_RANK are those of :func:`deepspeed_rank_layout`."""
+    hosts = {"a": 3, "b": 2}
+    lines = launcher.deepspeed_nodes(hosts, num_nodes=2, num_gpus=-1, timeout=120)
+    ranks = [ast.literal_eval(line.split(" -> ", 1)[1]) for line in lines]
+    got = [(list(hosts)[r["node_rank"]], r["local_rank"]) for r in ranks]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3, 4]
+    assert got == launcher.deepspeed_rank_layout(launcher.hostfile_text(hosts))
+    assert all(r["--local_rank"] == r["local_rank"] for r in ranks)

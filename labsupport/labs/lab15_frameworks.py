@@ -65,7 +65,10 @@ def deepspeed_config(stage: int, offload: bool = False, world_size: int = 4, def
     parameter (2¹⁴ elements) and shards every parameter: DeepSpeed's defaults suit GPUs
     with tens of GB (``reduce_bucket_size`` 5·10⁸ elements, a 2 GB fp32 buffer) and keep
     whole every parameter under 10⁵ elements (``stage3_param_persistence_threshold``),
-    which is every parameter of this model.
+    which is every parameter of this model. Stages 1 and 2 keep the default bucket: they
+    allocate it during each backward and free it before the step
+    (``stage_1_and_2.py``: ``setup_buckets``, ``_release_ipg_buffers``), so the bytes
+    counted after the step do not include it.
     """
     zero = {"stage": stage}
     if stage == 3 and not defaults:

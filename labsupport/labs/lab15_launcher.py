@@ -8,7 +8,8 @@ one "GPU" per NUMA node (or ``LOCAL_SIZE``), so ``--num_gpus`` says how many pro
 node runs (``deepspeed/accelerator/cpu_accelerator.py``). :func:`side_by_side` parses
 the same launch written for ``deepspeed`` and for ``torchrun`` with each one's own
 argument parser (``deepspeed/launcher/runner.py``, ``torch/distributed/run.py``).
-Exercise 3's checker holds a learner's rank layout against DeepSpeed's own code.
+Exercise 3's checker holds a learner's rank layout against DeepSpeed's own hostfile
+functions and ``launch.py``'s numbering of the ranks.
 """
 
 from __future__ import annotations
@@ -135,13 +136,18 @@ ENVIRONMENT = [
     ("node rank", "CROSS_RANK", "GROUP_RANK"),
     ("nodes", "CROSS_SIZE", "GROUP_WORLD_SIZE"),
     ("processes on this node", "LOCAL_SIZE", "LOCAL_WORLD_SIZE"),
-    ("threads per process", "not set (unless --bind_cores_to_rank)", "OMP_NUM_THREADS=1"),
+    (
+        "threads per process",
+        "not set (unless --bind_cores_to_rank)",
+        "OMP_NUM_THREADS=1 if unset and --nproc-per-node > 1",
+    ),
 ]
 
 
 def deepspeed_nodes(hosts: dict, num_nodes: int, num_gpus: int, timeout: float = 180) -> list:
     """Run :func:`launcher_worker` with the DeepSpeed launcher as ``num_nodes`` "nodes"
-    of the hostfile ``hosts`` on this machine, ``num_gpus`` processes each.
+    of the hostfile ``hosts`` on this machine, ``num_gpus`` processes each (-1: as many
+    as the host's slots).
 
     Each node is its own launcher, started as on a cluster without ssh (``--no_ssh``
     and its ``--node_rank``), all meeting at ``--master_addr:--master_port``. Returns
@@ -169,16 +175,28 @@ def deepspeed_nodes(hosts: dict, num_nodes: int, num_gpus: int, timeout: float =
 
 
 def deepspeed_rank_layout(hostfile: str, num_nodes: int = -1, num_gpus: int = -1) -> list:
-    """Where DeepSpeed's launcher puts each global rank: ``[(host, local_rank), ...]``,
-    computed by DeepSpeed's own code (``deepspeed/launcher/runner.py`` trims the
-    hostfile's resources; ``launch.py`` numbers the ranks node by node)."""
+    """Where DeepSpeed's launcher puts each global rank: ``[(host, LOCAL_RANK), ...]``.
+
+    ``deepspeed/launcher/runner.py``'s own functions trim the hostfile's resources; then
+    this follows ``launch.py``'s ``main``, which every node runs: it numbers the global
+    ranks host after host and sets ``local_rank = dist_rank % num_local_procs``. On hosts
+    that all run as many processes, that is the process's index on its host; on a host
+    whose first global rank is not a multiple of its process count, it is a rotation of it
+    (hosts of 3 and 2 slots: ranks 3 and 4 get local ranks 1 and 0).
+    """
     with cpu_accelerator():
         from deepspeed.launcher import runner
 
     pool = runner._parse_hostfile(hostfile.splitlines())
     active = runner.parse_inclusion_exclusion(pool, "", "")
     active = runner.apply_num_nodes_and_gpus(active, num_nodes, num_gpus)
-    return [(host, local) for host, slots in active.items() for local in range(len(slots))]
+    layout = []
+    for host, slots in active.items():
+        num_local_procs = len(slots)
+        for _ in range(num_local_procs):
+            dist_rank = len(layout)  # launch.py's global_rank_mapping: host after host
+            layout.append((host, dist_rank % num_local_procs))
+    return layout
 
 
 #: Hostfiles the checker tries, with ``--num_nodes`` and ``--num_gpus`` (-1: not given).
@@ -189,6 +207,8 @@ RANK_LAYOUT_CASES = [
     ("# two nodes\n\nnode0 slots=2\nnode1 slots=2\n", -1, -1),
     ("n1 slots=8\nn2 slots=4\nn3 slots=6\n", 3, 1),
     ("gpu-07 slots=3\n", -1, -1),
+    ("a slots=3\nb slots=2\n", -1, -1),  # b's ranks 3 and 4: LOCAL_RANK 1 and 0
+    ("p slots=2\nq slots=3\nr slots=4\n", -1, -1),
 ]
 
 
@@ -203,10 +223,15 @@ def check_rank_layout(fn) -> str:
             f"{len(got)} processes, not as many as DeepSpeed starts (which hosts does it "
             "keep, and how many slots of each?)"
         )
-        assert got == want, (
+        assert [h for h, _ in got] == [h for h, _ in want], (
             f"--num_nodes={nodes} --num_gpus={gpus} with the hostfile {text!r}: the right "
-            "number of processes, but not every rank on the (host, local rank) DeepSpeed "
-            "gives it (in which order are the ranks numbered?)"
+            "number of processes, but not every rank on the host DeepSpeed gives it (in "
+            "which order are the ranks numbered?)"
+        )
+        assert got == want, (
+            f"--num_nodes={nodes} --num_gpus={gpus} with the hostfile {text!r}: every rank "
+            f"on its host, but local ranks {[r for _, r in got]}, where DeepSpeed's launch.py "
+            f"gives {[r for _, r in want]} (global rank % processes on that host)"
         )
     return "which host and local rank DeepSpeed's launcher gives every rank"
 

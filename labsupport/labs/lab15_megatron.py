@@ -76,7 +76,7 @@ BLOOM_LAUNCH = [
     (
         "--pad-vocab-size-to",
         "250880",
-        "250,680 tokens padded to split evenly over the 4 TP ranks",
+        "250,680 tokens padded: 62,720 rows per TP rank, 490 × 128; the same size at any TP",
         "VocabParallelEmbedding (ch. 12)",
     ),
     # the batch
@@ -101,7 +101,7 @@ BLOOM_LAUNCH = [
     (
         "--train-samples",
         "220_000_000",
-        "sequences to train on: 450 B tokens",
+        "the script's budget, 450 B tokens (220 M × 2,048); the run stopped at about 366 B",
         "ch. 3: the compute wall, 6 N D",
     ),
     # precision, memory, optimizer
@@ -121,7 +121,7 @@ BLOOM_LAUNCH = [
     (
         "--lr / --min-lr / --lr-decay-style",
         "6e-5 / 6e-6 / cosine",
-        "warm-up, then cosine decay to min-lr",
+        "warm-up 183,105 samples; cosine to min-lr by 200 M samples (410 B tokens), then flat",
         "(not in the course: a constant lr)",
     ),
     (
