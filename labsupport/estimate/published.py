@@ -10,7 +10,13 @@ leaves it to :func:`labsupport.estimate.planner.plan` and says so.
   2,048 tokens, bf16 with DeepSpeed's BF16 optimizer ("its own ZeRO stage 1
   equivalent"), full activation checkpointing, no interleaving (DeepSpeed's pipeline);
   4 Omni-Path 100 Gb/s links per node; 149.8 TFLOP/s per GPU logged at the end of the
-  first epoch, counted with recomputation (8 FLOPs per parameter and token).
+  first epoch, counted with recomputation (8 FLOPs per parameter and token). The entry
+  models the data axis as ZeRO-1 (``zero=1``: a reduce-scatter partly hidden behind the
+  last backward pass, then an all-gather). DeepSpeed's BF16 optimizer (``_bf16_reduce_grads``
+  in ``runtime/pipe/engine.py``, mid-2022) instead all-reduces the fp32 gradient buffer in
+  bf16 after the last backward pass, steps Adam on its shard and all-gathers the bf16
+  weights, none of it overlapped: under the planner's cost model about 1.6 s more per step
+  (106.5 s instead of 104.9 s).
 * **GPT-3 175B** (Narayanan et al. 2021, table 2, PTD parallelism on 1,536 GPUs): model
   parallel size 96 (tensor 8 inside a DGX A100, pipeline 12), data 16, global batch
   1,536, micro-batch 1, 141 TFLOP/s per GPU; Selene: 8 A100 80GB per node with NVSwitch,
@@ -97,6 +103,7 @@ PUBLISHED = [
         "model": "BLOOM-176B",
         "cluster": "Jean Zay (BLOOM)",
         "global_batch": 2048,
+        # zero=1 stands for the BF16 optimizer's sharded step; its collectives differ (above)
         "layout": Layout(
             8, 4, 12, zero=1, micro_batch=2, chunks=1, recompute="full", sequence_parallel=False
         ),
