@@ -173,8 +173,10 @@ def peer(a: Action, p: int, rank: int) -> tuple[int, int]:
 def simulate(lists: list[list[Action]], v: int = 1) -> list[list[tuple[Action, int]]]:
     """Play the schedule, message by message: each compute action takes one time slot; a
     rank posts each batch of messages when it reaches it and waits until every message in
-    it has been posted by the peer too (in any of the peer's batches, earlier or later:
-    sends and receives between two ranks match in order, as NCCL and gloo match them).
+    it has been posted by the peer too (in any of the peer's batches, earlier or later).
+    A message matches the peer's message for the same micro-batch and chunk: stricter
+    than NCCL and gloo, which pair the messages between two ranks in posting order, so
+    lists that disagree on the order would, run for real, swap micro-batches silently.
     Returns each rank's compute actions with their slot; raises ``RuntimeError`` naming
     what every rank waits for when none can go on (a deadlock)."""
     p = len(lists)
