@@ -77,6 +77,18 @@ def test_while_all_run_stops_when_the_first_worker_is_done():
     rates = lab.while_all_run(updates)
     assert rates["seconds"] == 2.0  # worker 0 pushed its last at 2.0
     assert rates["pushes"] == 3 and rates["pushes_per_s"] == 1.5
+    assert rates["updates"] == 3  # asynchronous: one update per gradient
+
+
+def test_while_all_run_counts_only_the_rounds_a_synchronous_server_finished():
+    # two workers, two rounds: by the time worker 0 pushes its last gradient (2.0),
+    # round 0 is complete and round 1 still waits for worker 1
+    updates = [
+        {"worker": w, "time": t, "version": v}
+        for w, t, v in [(0, 1.0, 0), (1, 1.5, 0), (0, 2.0, 1), (1, 3.0, 1)]
+    ]
+    rates = lab.while_all_run(updates)
+    assert rates["pushes"] == 3 and rates["updates"] == 1
 
 
 def test_simulate_sync_waits_for_the_slowest_and_async_does_not():

@@ -85,6 +85,15 @@ def test_bounded_staleness_keeps_fast_workers_close_to_the_slowest():
         assert max(seen) - min(seen) <= 2, seen  # bound 1, plus the push in flight
 
 
+def test_bound_zero_keeps_workers_in_step_but_sums_their_gradients():
+    # staleness_bound=0 holds every worker until all have pushed, but the server still
+    # applies each gradient on its own: one round is SGD with W times the learning rate
+    results = run(4, 1, "async", staleness_bound=0)
+    (server,) = [r for r in results if r["role"] == "server"]
+    assert sorted(u["staleness"] for u in server["updates"]) == sorted([0, 1, 2] * STEPS)
+    torch.testing.assert_close(gathered(results), single_process_sgd(3, lr=3 * 0.1), **TOL)
+
+
 def test_too_few_ranks_is_a_clear_error():
     with pytest.raises(LaunchError, match="world_size >= servers \\+ 1"):
         run(2, 2, "sync")

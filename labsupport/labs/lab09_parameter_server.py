@@ -8,6 +8,8 @@ The server and the workers are :func:`labsupport.parallel.parameter_server.train
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -76,19 +78,22 @@ def while_all_run(updates: list[dict]) -> dict:
     """Rates while every worker is still pushing: up to the moment the first worker
     pushes its last gradient (after that, fewer workers run and any rate drops).
 
-    Returns ``seconds`` (that moment), ``pushes`` and ``versions`` (gradients received and
-    parameter updates made by then), and both per second.
+    Returns ``seconds`` (that moment), ``pushes`` and ``updates`` (gradients received and
+    parameter updates made by then), and both per second. An update is made when the last
+    gradient recorded at its version arrives: one per gradient asynchronously, one per
+    round of W gradients synchronously (a round still open at that moment is not counted).
     """
     workers = {u["worker"] for u in updates}
     end = min(max(u["time"] for u in updates if u["worker"] == w) for w in workers)
     done = [u for u in updates if u["time"] <= end]
-    versions = len({u["version"] for u in done})
+    per_version = Counter(u["version"] for u in updates)
+    made = sum(n == per_version[v] for v, n in Counter(u["version"] for u in done).items())
     return {
         "seconds": end,
         "pushes": len(done),
-        "versions": versions,
+        "updates": made,
         "pushes_per_s": len(done) / end,
-        "updates_per_s": versions / end,
+        "updates_per_s": made / end,
     }
 
 

@@ -12,7 +12,11 @@ batch, and pushes it back, shard by shard, over point-to-point messages.
 * ``mode="async"``: a server applies each gradient as it arrives and answers that worker
   at once. Each update records its *staleness*, the server's version now minus the
   version the gradient was computed on. ``staleness_bound=s`` makes it stale-synchronous
-  (Ho et al. 2013): a worker more than ``s`` pushes ahead of the slowest waits.
+  (Ho et al. 2013): a worker more than ``s`` pushes ahead of the slowest waits, so the
+  server's record shows it at most ``s + 1`` ahead (the push in flight). Each gradient is
+  still applied on its own, with the full ``lr``: ``staleness_bound=0`` keeps the
+  workers in step, but it sums a round's gradients (staleness 0 to W-1) where
+  ``mode="sync"`` averages them.
 
 A push is two messages: a small header (worker, version, loss) on a gloo group, which a
 server can receive *from any sender* (gloo supports it, NCCL does not), then the gradient
