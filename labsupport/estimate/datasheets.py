@@ -196,8 +196,9 @@ DEVICES = {
 }
 """Datasheet numbers, **dense** (no sparsity): ``bandwidth`` in bytes/s, ``fp32`` and
 ``tensor`` in FLOP/s. ``fp32`` is the non-tensor (CUDA core, or CPU vector unit) rate;
-``tensor`` is the tensor-core rate at ``tensor_precision``: NVIDIA lists the H100, H200 and
-A100 16-bit rates *with* 2:4 structured sparsity, twice the dense rate given here. The
+``tensor`` is the tensor-core rate at ``tensor_precision``: NVIDIA lists the H100 and H200
+16-bit rates only *with* 2:4 structured sparsity (the A100 lists both), twice the dense rate
+given here. The
 V100's tensor cores take FP16 (they predate BF16). The laptop CPU's numbers are computed
 from its specifications (:data:`LAPTOP_CPU`), at base clock."""
 

@@ -1,7 +1,8 @@
 """Units: decimal and binary prefixes, bytes as people write them, parameter counts.
 
-Datasheets, papers and model sizes use **decimal** (SI) prefixes: 1 GB = 10^9 bytes,
-"80 GB" of HBM, "7B" parameters. Operating systems and PyTorch's memory tools often use
+Datasheets, papers and model sizes mostly use **decimal** (SI) prefixes: 1 GB = 10^9 bytes,
+"7B" parameters, "400 Gb/s". GPU memory is the exception: an "80 GB" H100 holds about
+80 GiB. Operating systems and PyTorch's memory tools often use
 **binary** (IEC 80000-13) prefixes: 1 GiB = 2^30 bytes, 7.4 % more. The course keeps
 both, named apart.
 """
