@@ -1,6 +1,6 @@
 """Tensor parallelism against the dense model: every output and every gradient, on 2 and
 4 ranks, with and without sequence parallelism; the collectives counted; the same as
-DTensor's ColwiseParallel / RowwiseParallel."""
+DTensor's ColwiseParallel / RowwiseParallel; a whole output or input; the dropout generators."""
 
 from __future__ import annotations
 
@@ -185,3 +185,130 @@ def test_sharded_dropout_draws_per_rank_and_leaves_the_shared_generator_alone(se
     assert torch.equal(a["shared"], b["shared"])  # the shared generator stays in step
     # residual dropouts: per rank under sequence parallelism, shared (equal) without it
     assert torch.equal(a["residual"], b["residual"]) is not sequence_parallel
+
+
+def split_io_case(option: str) -> dict:
+    """``gather_output=True`` or ``input_is_parallel=False`` against the dense layer, with
+    the whole input and output on every rank: forward, backward and the collectives."""
+    t, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(8, 12)
+    if option == "gather_output":
+        layer = ColumnParallelLinear(8, 12, gather_output=True)
+        weight, bias = dense.weight.chunk(t)[rank], dense.bias.chunk(t)[rank]
+    else:
+        layer = RowParallelLinear(8, 12, input_is_parallel=False)
+        weight, bias = dense.weight.chunk(t, dim=1)[rank], dense.bias
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.bias.copy_(bias)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    x_dense, x_local = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_dense = dense(x_dense)
+    y_dense.square().sum().backward()
+    with traced.trace_collectives() as forward:
+        y = layer(x_local)
+    with traced.trace_collectives() as backward:
+        y.square().sum().backward()
+    grads = dense.weight.grad, dense.bias.grad
+    if option == "gather_output":
+        want_weight, want_bias = grads[0].chunk(t)[rank], grads[1].chunk(t)[rank]
+    else:
+        want_weight, want_bias = grads[0].chunk(t, dim=1)[rank], grads[1]
+    return {
+        "pairs": {
+            "output": (y.detach(), y_dense.detach()),
+            "input grad": (x_local.grad, x_dense.grad),
+            "weight grad": (layer.weight.grad, want_weight),
+            "bias grad": (layer.bias.grad, want_bias),
+        },
+        "forward": [name for name, _, _ in forward.calls],
+        "backward": [name for name, _, _ in backward.calls],
+    }
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize(
+    ("option", "forward", "backward"),
+    [
+        ("gather_output", ["all_gather"], ["all_reduce"]),  # f's all-reduce, backward
+        ("input_is_parallel", ["all_reduce"], ["all_gather"]),
+    ],
+)
+def test_a_whole_output_or_input_gives_the_dense_layer_forward_and_backward(
+    t, option, forward, backward
+):
+    """Megatron's gather_from_ / scatter_to_tensor_model_parallel_region: the gathered
+    output's gradient is sliced back, the split input's gradient all-gathered."""
+    for r in launch(split_io_case, t, args=(option,), timeout=60):
+        for name, (got, want) in r["pairs"].items():
+            torch.testing.assert_close(got, want, **TOL, msg=name)
+        assert (r["forward"], r["backward"]) == (forward, backward)
+
+
+def dropout_streams() -> dict:
+    """This rank's draws in the sharded regions of a two-block ParallelGPT (one per block,
+    twice), the shared generator's draw after them, and rank 0's 1001st sharded draw."""
+    torch.manual_seed(0)
+    model = tpm.ParallelGPT(GPT(GPTConfig(**{**vars(config()), "dropout": 0.5}))).train()
+    x = torch.ones(B, T, 32, device=labsupport.device())
+    draws = []
+    for _ in range(2):
+        for block in model.h:
+            with block.rank_rng(x):
+                draws.append(torch.rand(8, device=x.device).cpu())
+    shared = torch.rand(8, device=x.device).cpu()
+    for _ in range(1000 - len(draws)):
+        with model.h[0].rank_rng(x):
+            torch.rand(8, device=x.device)
+    with model.h[0].rank_rng(x):
+        late = torch.rand(8, device=x.device).cpu()
+    return {"draws": draws, "shared": shared, "late": late}
+
+
+def test_sharded_dropout_draws_new_masks_in_every_layer_and_on_every_rank():
+    a, b = launch(dropout_streams, 2, timeout=60)
+    for r in (a, b):  # one stream per rank, shared by the blocks: no two draws alike
+        assert len({tuple(d.tolist()) for d in r["draws"]}) == len(r["draws"])
+    assert all(not torch.equal(x, y) for x, y in zip(a["draws"], b["draws"], strict=True))
+    assert torch.equal(a["shared"], b["shared"])  # replicated regions: the same mask
+    assert not torch.equal(a["late"], b["draws"][0])  # rank 0 never runs into rank 1's stream
+
+
+def cpu_fork_leaves_cuda_alone() -> bool:
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CPU fork touched CUDA")
+
+    block = tpm.ParallelBlock(dense_gpt().h[0], config())
+    names = ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "init")
+    saved = {name: getattr(torch.cuda, name) for name in names}
+    try:
+        for name in names:
+            setattr(torch.cuda, name, refuse)
+        with block.rank_rng(torch.ones(2)):
+            torch.rand(4)
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.cuda, name, fn)
+    return not torch.cuda.is_initialized()
+
+
+def test_the_rank_fork_on_the_cpu_never_touches_cuda():
+    assert launch(cpu_fork_leaves_cuda_alone, 2, timeout=60) == [True, True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_rank_fork_on_cuda_swaps_the_gpu_generator_and_gives_it_back():
+    device = torch.device("cuda", torch.cuda.current_device())
+    tracker, again = tpm.RankRNGTracker(7), tpm.RankRNGTracker(7)
+    torch.cuda.manual_seed(0)
+    before, cpu_before = torch.cuda.get_rng_state(device), torch.get_rng_state()
+    with tracker.fork(device):
+        first = torch.rand(8, device=device)
+    with tracker.fork(device):
+        second = torch.rand(8, device=device)
+    assert torch.equal(torch.cuda.get_rng_state(device), before)  # the GPU's state given back
+    assert torch.equal(torch.get_rng_state(), cpu_before)
+    assert not torch.equal(first, second)  # the tracker's own state moved on
+    with again.fork(device):
+        assert torch.equal(torch.rand(8, device=device), first)  # from its seed alone

@@ -96,8 +96,7 @@ class MeasuredBlock(ParallelBlock):
         q, k, v = (z.view(b, s, self.heads, local // self.heads).transpose(1, 2) for z in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
         probs = F.softmax(scores.masked_fill(self.future[:s, :s], float("-inf")), dim=-1)
-        with torch.random.fork_rng(devices=[]):  # a different mask for each rank's heads
-            torch.manual_seed(self.sharded_seed)
+        with self.rank_rng(probs):  # a different mask for each rank's heads
             probs = F.dropout(probs, self.config.dropout, self.training)
         return (probs @ v).transpose(1, 2).reshape(b, s, local)
 

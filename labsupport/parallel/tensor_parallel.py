@@ -8,15 +8,18 @@ names from ``megatron/core/tensor_parallel/layers.py`` and ``mappings.py``.
   backward), :func:`reduce_from_tensor_model_parallel_region` (*g*: all-reduce forward,
   identity backward), and for sequence parallelism
   :func:`gather_from_sequence_parallel_region` (all-gather forward, reduce-scatter
-  backward) and :func:`reduce_scatter_to_sequence_parallel_region` (the reverse).
+  backward) and :func:`reduce_scatter_to_sequence_parallel_region` (the reverse); for a
+  whole output or input, :func:`gather_from_tensor_model_parallel_region` (all-gather the
+  last dimension forward, keep this rank's slice backward) and
+  :func:`scatter_to_tensor_model_parallel_region` (the reverse).
 * :class:`ColumnParallelLinear` (``Y_i = X A_i``: each rank a slice of the output
   features; ``gather_output``) and :class:`RowParallelLinear` (``Y = Σ_i X_i A_i``: each
   rank a slice of the input features, summed by *g*; ``input_is_parallel``).
 * :class:`VocabParallelEmbedding` and :func:`vocab_parallel_cross_entropy`: the
   vocabulary split over the ranks, padded to a multiple of ``t``.
-* :class:`ParallelBlock`: a block of the course GPT with its attention heads and its MLP
-  split (column then row: one all-reduce forward and one backward for each), optionally
-  sequence-parallel; :func:`parallel_block` builds one from a dense block's weights.
+
+Blocks and the whole GPT built from these layers are in
+:mod:`labsupport.parallel.tensor_parallel_model` (``ParallelBlock``, ``ParallelGPT``).
 
 Collectives go through :mod:`labsupport.comm.traced`, so a lab can count them.
 """
@@ -56,6 +59,33 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
+def _own_slice(x, group):
+    """This rank's slice of the last dimension."""
+    return x.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)].contiguous()
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return traced.all_gather(x, x.dim() - 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_slice(grad, ctx.group), None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _own_slice(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return traced.all_gather(grad, grad.dim() - 1, ctx.group), None
+
+
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -88,6 +118,18 @@ def reduce_from_tensor_model_parallel_region(x, group=None):
     return _ReduceFromRegion.apply(x, group)
 
 
+def gather_from_tensor_model_parallel_region(x, group=None):
+    """All-gather the last dimension forward; keep this rank's slice of the gradient
+    backward (the gathered tensor is replicated, so each rank's gradient is whole)."""
+    return _GatherFromRegion.apply(x, group)
+
+
+def scatter_to_tensor_model_parallel_region(x, group=None):
+    """Keep this rank's slice of the last dimension forward; all-gather the gradient
+    backward (every rank then holds the whole input's gradient)."""
+    return _ScatterToRegion.apply(x, group)
+
+
 def gather_from_sequence_parallel_region(x, group=None):
     """Sequence parallelism's *g*: all-gather the sequence (dim 1) forward,
     reduce-scatter backward."""
@@ -114,8 +156,8 @@ def _divide(size: int, parts: int, what: str) -> int:
 
 class ColumnParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A``'s output features split: rank ``i`` holds ``A_i`` and
-    computes ``Y_i``; ``gather_output`` all-gathers ``Y``. Its input passes *f* (or, with
-    ``sequence_parallel``, the sequence all-gather)."""
+    computes ``Y_i``; ``gather_output`` all-gathers ``Y`` (and slices its gradient back).
+    Its input passes *f* (or, with ``sequence_parallel``, the sequence all-gather)."""
 
     def __init__(
         self,
@@ -139,13 +181,14 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)
-        return traced.all_gather(y, y.dim() - 1, self.group) if self.gather_output else y
+        return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A``'s input features split: rank ``i`` computes ``X_i A_i``,
     *g* sums them (or, with ``sequence_parallel``, reduce-scatters along the sequence);
-    the bias is added once, after. ``input_is_parallel=False`` splits ``X`` first."""
+    the bias is added once, after. ``input_is_parallel=False`` splits a whole ``X`` first
+    (and all-gathers its gradient)."""
 
     def __init__(
         self,
@@ -165,8 +208,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         if not self.input_is_parallel:
-            rank = dist.get_rank(self.group)
-            x = x.chunk(dist.get_world_size(self.group), dim=-1)[rank]
+            x = scatter_to_tensor_model_parallel_region(x, self.group)
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)

@@ -13,8 +13,10 @@ every output and gradient against the dense model's), with the layers of
   backward (Korthikanti et al. 2022, section 4.2.2);
 * dropout where the ranks hold different data (inside the split attention, and the
   residual dropouts under sequence parallelism, which see different tokens) draws from
-  a seed of the rank's own, dropout in the replicated regions from the shared generator
-  (the same mask on every rank), as Megatron's ``get_cuda_rng_tracker().fork()``;
+  the rank's own generator state, one per rank shared by all the blocks of a model
+  (:class:`RankRNGTracker`, Megatron's ``get_cuda_rng_tracker()``), so each layer draws
+  new masks; dropout in the replicated regions draws from the default generator, seeded
+  alike on every rank (the same mask on every rank);
 * the token embedding and the output layer split by vocabulary (padded to a multiple of
   ``t``), the loss computed without gathering the logits.
 """
@@ -22,6 +24,7 @@ every output and gradient against the dense model's), with the layers of
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -43,10 +46,53 @@ def _rows(weight: torch.Tensor, parts: int, rank: int, pieces: int = 1) -> torch
     return torch.cat([w.chunk(parts)[rank] for w in weight.chunk(pieces)])
 
 
-class ParallelBlock(nn.Module):
-    """One transformer block of the course GPT, split over the ranks of ``group``."""
+class RankRNGTracker:
+    """A generator state of this rank's own, for dropout where the ranks hold different
+    data: Megatron's ``CudaRNGStatesTracker`` (``megatron/core/tensor_parallel/random.py``),
+    for the CPU and CUDA. Build one per model and rank, seeded ``seed + 2718 + rank`` as
+    Megatron's ``model_parallel_cuda_manual_seed``; every block draws from it in turn."""
 
-    def __init__(self, block, config, group=None, sequence_parallel: bool = False, seed=0):
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.states: dict[str, torch.Tensor] = {}  # one per device
+
+    @contextlib.contextmanager
+    def fork(self, device):
+        """Swap this state into ``device``'s default generator, run the ``with`` block,
+        save the advanced state for the next fork and give the generator its own back
+        (on CUDA, the GPU's generator; on the CPU, the CPU's, without touching CUDA)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            get, put = torch.get_rng_state, torch.set_rng_state
+        else:
+            module = torch.get_device_module(device.type)
+            if device.index is None:
+                device = torch.device(device.type, module.current_device())
+            get = functools.partial(module.get_rng_state, device)
+            put = functools.partial(module.set_rng_state, device=device)
+        key = str(device)
+        if key not in self.states:
+            self.states[key] = torch.Generator(device).manual_seed(self.seed).get_state()
+        devices = [] if device.type == "cpu" else [device]
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
+            put(self.states[key])
+            try:
+                yield
+            finally:
+                self.states[key] = get()
+
+
+def rank_tracker(group=None, seed: int = 0) -> RankRNGTracker:
+    """A :class:`RankRNGTracker` seeded ``seed + 2718 +`` this rank's place in ``group``."""
+    return RankRNGTracker(seed + 2718 + dist.get_rank(group))
+
+
+class ParallelBlock(nn.Module):
+    """One transformer block of the course GPT, split over the ranks of ``group``. Its
+    sharded dropouts draw from ``rng`` (a model's blocks share one; a block built alone
+    gets its own, :func:`rank_tracker`)."""
+
+    def __init__(self, block, config, group=None, sequence_parallel: bool = False, rng=None):
         super().__init__()
         t, rank = dist.get_world_size(group), dist.get_rank(group)
         c = config.n_embd
@@ -71,7 +117,7 @@ class ParallelBlock(nn.Module):
                 self.c_fc.bias.copy_(dense[2].bias.chunk(t)[rank])
                 self.attn_proj.bias.copy_(dense[1].bias)
                 self.mlp_proj.bias.copy_(dense[3].bias)
-        self.sharded_seed = seed + 1000 * (rank + 1)
+        self.rng = rng if rng is not None else rank_tracker(group)
 
     def forward(self, x):
         a = self.attn_proj(self._attention(self.ln_1(x)))
@@ -81,15 +127,11 @@ class ParallelBlock(nn.Module):
         with self._residual_rng(x):
             return x + F.dropout(h, self.config.dropout, self.training)
 
-    @contextlib.contextmanager
     def rank_rng(self, x: torch.Tensor):
-        """Draw random numbers from this rank's own seed (a different mask on every
-        rank) on ``x``'s device, then give the shared generator back its state."""
-        cpu = x.device.type == "cpu"
-        with torch.random.fork_rng(devices=[] if cpu else [x.device], device_type=x.device.type):
-            torch.manual_seed(self.sharded_seed)
-            self.sharded_seed += 1
-            yield
+        """Draw random numbers from this rank's own generator state (a different mask on
+        every rank, and in every layer) on ``x``'s device; the default generator is left
+        as it was."""
+        return self.rng.fork(x.device)
 
     def _residual_rng(self, x: torch.Tensor):
         # under sequence parallelism each rank holds other tokens: masks of their own
@@ -137,9 +179,10 @@ class ParallelGPT(nn.Module):
     vocabulary-parallel embedding (tied with the output layer's weight, both split by
     vocabulary), replicated positions, parallel blocks, and the loss computed on logits
     split by vocabulary. It has the dense model's pieces (``embed``, ``h`` and
-    ``run_block``, ``head``), so a pipeline stage can hold a part of it."""
+    ``run_block``, ``head``), so a pipeline stage can hold a part of it. Its blocks share
+    one :class:`RankRNGTracker`, seeded ``seed + 2718 + rank``."""
 
-    def __init__(self, gpt, group=None):
+    def __init__(self, gpt, group=None, seed: int = 0):
         super().__init__()
         t, rank = dist.get_world_size(group), dist.get_rank(group)
         config = gpt.config
@@ -151,7 +194,8 @@ class ParallelGPT(nn.Module):
             self.wte.weight.copy_(padded.chunk(t)[rank])
         self.wpe, self.ln_f = _copy(gpt.wpe), _copy(gpt.ln_f)
         self.drop = nn.Dropout(config.dropout)
-        self.h = nn.ModuleList(ParallelBlock(b, config, group) for b in gpt.h)
+        self.rng = rank_tracker(group, seed)
+        self.h = nn.ModuleList(ParallelBlock(b, config, group, rng=self.rng) for b in gpt.h)
         if config.tie_weights:
             self.lm_head = _Head(self.wte.weight)
         else:
