@@ -32,8 +32,9 @@ def hello() -> dict:
 def send_to_rank_1() -> float:
     """Rank 0 sends a tensor to rank 1; every rank returns the value it then holds.
 
-    ``send`` and ``recv`` block: rank 0 waits until its message has left, rank 1 until it
-    has arrived, in the tensor rank 1 made ready for it. The other ranks take no part.
+    ``send`` and ``recv`` block: rank 0 waits until rank 1 has taken its message (gloo),
+    rank 1 until it has arrived, in the tensor rank 1 made ready for it. The other ranks
+    take no part.
     """
     tensor = torch.zeros(1, device=device())
     if dist.get_rank() == 0:
