@@ -1,8 +1,10 @@
 """Failures in long runs, and how often to checkpoint (chapter 16).
 
 * :data:`LLAMA3_SNAPSHOT` and :data:`LLAMA3_CAUSES`: the interruptions of a 54-day snapshot
-  of Llama 3 405B pre-training on 16,384 H100 GPUs (Grattafiori et al. 2024, "The Llama 3
-  Herd of Models", arXiv:2407.21783, section 3.3.4 and Table 5), as published;
+  of Llama 3 405B pre-training on up to 16,384 H100 GPUs (Grattafiori et al. 2024, "The
+  Llama 3 Herd of Models", arXiv:2407.21783, section 3.3.4 and Table 5), as published; the
+  paper does not say how many GPUs the job held during the snapshot (one stage used 8,192,
+  its Table 4), so an MTBF per GPU from 16,384 of them is an upper bound;
   :data:`BLOOM_CHECKPOINTS`: BLOOM-176B's checkpoints, from its training logs;
 * :func:`mtbf`, :func:`job_mtbf`, :func:`device_mtbf`, :func:`no_failure_probability`:
   mean time between failures. If each of ``n`` devices fails independently, at a constant
@@ -25,12 +27,13 @@ from __future__ import annotations
 
 import math
 
-#: Llama 3 405B pre-training, a 54-day snapshot (section 3.3.4 of the paper).
+#: Llama 3 405B pre-training, a 54-day snapshot (section 3.3.4 of the paper; the checkpoint
+#: sizes are from section 3.3.1). ``gpus`` is the most the job used, "up to 16K".
 LLAMA3_SNAPSHOT = {
     "days": 54,
     "gpus": 16_384,
     "interruptions": 466,
-    "planned": 47,  # automated maintenance: firmware, configuration, dataset updates
+    "planned": 47,  # automated maintenance (firmware), operator-initiated (configuration, data)
     "unexpected": 419,
     "hardware_share": 0.78,  # "approximately 78%": confirmed or suspected hardware issues
     "gpu_share_printed": 0.587,  # "GPU issues ... 58.7%": the sum of Table 5's GPU rows

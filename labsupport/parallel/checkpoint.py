@@ -48,8 +48,10 @@ def save_async(state: dict, path: str, group=None):
     give it a process group of its own (``dist.new_group(backend="gloo")``), so that they
     never interleave with the training's collectives on the same group. (DCP copies the
     state to host memory itself, but in torch 2.13 its copy fails on a DTensor whose local
-    tensor is a view into a larger buffer, as a ZeRO shard is; so each tensor is first
-    copied into storage of its own.)
+    tensor is a view that starts partway into a larger buffer, as a ZeRO-1 or ZeRO-2
+    parameter shard is on every rank but rank 0; so each tensor is first copied into
+    storage of its own.) ``async_save`` also needs a group with a CPU backend: gloo, or
+    ``"cpu:gloo,cuda:nccl"`` (the course's ``backend="auto"`` on GPUs).
     """
     return dcp.async_save(tree_map(_own_copy, state), checkpoint_id=path, process_group=group)
 

@@ -22,7 +22,7 @@ def draw_job_mtbf(per_device_s: float, gpus=(8, 100_000), marks=None, ax=None):
         hours = reliability.job_mtbf(per_device_s, k) / HOUR
         ax.plot([k], [hours], "o", color=rank_color(5))
         ax.annotate(
-            f"{label}\n{hours:,.1f} h" if hours < 100 else f"{label}\n{hours / 24:,.0f} days",
+            _hours_or_days(label, hours),
             (k, hours),
             textcoords="offset points",
             xytext=(6, 4),
@@ -34,15 +34,24 @@ def draw_job_mtbf(per_device_s: float, gpus=(8, 100_000), marks=None, ax=None):
     return ax
 
 
+def _hours_or_days(label: str, hours: float) -> str:
+    """``label`` and a time: hours under 100 h, days above (one decimal under 10 days)."""
+    if hours < 100:
+        return f"{label}\n{hours:,.1f} h"
+    days = hours / 24
+    return f"{label}\n{days:.1f} days" if days < 10 else f"{label}\n{days:,.0f} days"
+
+
 def draw_wasted_fraction(checkpoint_s: float, mtbf_s: float, ax=None, label: str = ""):
-    """The fraction of time wasted against the checkpoint interval: Young's first-order
-    C/τ + τ/(2M) and Daly's complete model, with Young's and Daly's optima marked."""
+    """The extra time per second of work against the checkpoint interval: Young's
+    first-order C/τ + τ/(2M) and Daly's complete model, T_w/T_s − 1 (both the same
+    quantity, so Daly's lies above Young's), with Young's and Daly's optima marked."""
     if ax is None:
         _, ax = subplots(1, 1, 4.6, 3.4)
     young = reliability.young_interval(checkpoint_s, mtbf_s)
     taus = np.geomspace(young / 8, min(8 * young, 2 * mtbf_s), 300)
     first = [reliability.wasted_fraction(t, checkpoint_s, mtbf_s) for t in taus]
-    exact = [1 - 1 / reliability.expected_wall_time(1.0, t, checkpoint_s, mtbf_s) for t in taus]
+    exact = [reliability.expected_wall_time(1.0, t, checkpoint_s, mtbf_s) - 1 for t in taus]
     minutes = taus / 60
     ax.plot(minutes, np.array(first) * 100, color=rank_color(0), label="C/τ + τ/(2M)")
     ax.plot(minutes, np.array(exact) * 100, color=rank_color(1), ls="--", label="Daly's model")
@@ -52,7 +61,7 @@ def draw_wasted_fraction(checkpoint_s: float, mtbf_s: float, ax=None, label: str
         f"Young: every {young / 60:.0f} min,\n{waste:.1%} wasted",
         (young / 60, waste * 100),
         textcoords="offset points",
-        xytext=(0, 18),
+        xytext=(0, 26),
         ha="center",
         fontsize=8,
     )
@@ -60,7 +69,7 @@ def draw_wasted_fraction(checkpoint_s: float, mtbf_s: float, ax=None, label: str
     ax.axvline(daly / 60, color=rank_color(1), lw=0.8, ls=":")
     ax.set_xscale("log")
     ax.set_ylim(0, max(first) * 100 * 0.6)
-    ax.set(xlabel="checkpoint every ... minutes of work", ylabel="time wasted (%)")
+    ax.set(xlabel="checkpoint every ... minutes of work", ylabel="extra time (% of the work)")
     ax.set_title(label or f"C = {checkpoint_s:g} s, M = {mtbf_s / HOUR:.2f} h")
     ax.legend(fontsize=8, loc="upper right")
     return ax
@@ -68,8 +77,8 @@ def draw_wasted_fraction(checkpoint_s: float, mtbf_s: float, ax=None, label: str
 
 def failures_figure():
     """Chapter 16: the MTBF of a job at Llama 3's failure rate per GPU, as the job grows;
-    and the time wasted against the checkpoint interval for BLOOM's 40 s checkpoint at
-    that job's MTBF."""
+    and the extra time per second of work against the checkpoint interval for BLOOM's 40 s
+    checkpoint at that job's MTBF."""
     snap = reliability.LLAMA3_SNAPSHOT
     job = reliability.mtbf(snap["days"] * 24 * HOUR, snap["unexpected"])
     per_gpu = reliability.device_mtbf(job, snap["gpus"])
