@@ -58,8 +58,11 @@ def train_3d(
         )
     torch.manual_seed(seed)
     model = GPT(cfg).to(device())
+    # dropout: each pipeline stage draws its own masks, as Megatron seeds seed + 100 x its
+    # pipeline rank (replicated regions: the default generator; split ones: per TP rank)
+    torch.manual_seed(seed + 100 * where["pp"])
     if tp > 1:
-        model = ParallelGPT(model, group=groups["tp"])
+        model = ParallelGPT(model, group=groups["tp"], seed=seed + 100 * where["pp"])
     chunks = pipeline_parallel.stage_modules(model, pp, where["pp"])
     stage = chunks[0]
     zero = ZeRO(stage, 1, group=groups["dp"], lr=lr)
