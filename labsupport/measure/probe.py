@@ -87,10 +87,11 @@ def devices() -> list[str]:
 
 
 def cpu_bf16_flags() -> list[str]:
-    """The CPU's native bf16 instruction sets (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    """The CPU's native bf16 instruction sets (Linux ``/proc/cpuinfo``; empty elsewhere):
+    x86's AVX-512 BF16, AMX and AVX-VNNI, or Arm's BF16 extension (``bf16``)."""
     path = Path("/proc/cpuinfo")
     flags = set(path.read_text().split()) if path.exists() else set()
-    return sorted(f for f in ("avx512_bf16", "amx_bf16", "avx_vnni_bf16") if f in flags)
+    return sorted(f for f in ("avx512_bf16", "amx_bf16", "avx_vnni_bf16", "bf16") if f in flags)
 
 
 def measure_bandwidth(nbytes: int = 256 * MiB, device="cpu", repeats: int = 5) -> dict:
