@@ -92,7 +92,9 @@ stress: $(STAMP)
 
 lock:
 	rm -rf _build/lock-venv && $(PYTHON) -m venv _build/lock-venv
-	_build/lock-venv/bin/pip install --quiet pip==25.3 && _build/lock-venv/bin/pip install --quiet -r requirements.in
+	_build/lock-venv/bin/pip install --quiet pip==25.3
+	$(if $(TORCH_INDEX),_build/lock-venv/bin/pip install --quiet --index-url $(TORCH_INDEX) torch==2.13.0)
+	_build/lock-venv/bin/pip install --quiet -r requirements.in
 	{ head -2 requirements.lock; _build/lock-venv/bin/pip freeze | sed 's/+cpu$$//'; } > requirements.lock.new
 	mv requirements.lock.new requirements.lock
 
