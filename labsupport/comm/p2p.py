@@ -104,8 +104,8 @@ def irecv(g: Group, tensor: torch.Tensor, src: int):
 def exchange(g: Group, send=None, dst=None, recv=None, src=None) -> None:
     """Send ``send`` to ``dst`` and receive ``recv`` from ``src`` at once, and wait for both.
 
-    Either side may be left out. The two are posted as one ``batch_isend_irecv``: no
-    rank waits for a receiver before it can receive, so rings and pairs cannot
+    Either side may be left out. The two are posted as one ``batch_isend_irecv``: a
+    rank's receive is not queued behind its own send, so rings and pairs cannot
     deadlock, on gloo or on NCCL.
     """
     sends = [] if send is None else [(send, dst)]
