@@ -7,7 +7,7 @@ exact count), their alpha-beta costs in :mod:`labsupport.comm.cost`, the timing 
 
 On a laptop, the ranks' "network" is the loopback of one machine whose few cores also
 run the ranks: a message costs CPU time that the other ranks need too, so the measured
-times rank the algorithms by their total work, not by the alpha-beta model's busiest
+times depend on how the ranks share the cores, not on the alpha-beta model's busiest
 port. :func:`emulated_network` gives every message the cost the model says, so that
 the algorithms' real messages, in their real order, take the time they would take on a
 network with that alpha and beta.
@@ -109,9 +109,12 @@ def all_reduces_side_by_side(cases: dict, rounds: int = 7, network=None) -> dict
     ``nbytes`` runs on the first ``ranks`` ranks (a process group of its own; ``None``:
     every rank). :func:`~labsupport.measure.timing.side_by_side` takes one sample of
     each case per round, so a burst of load lands on all of them alike, and one call per
-    sample, so that every rank makes the same calls in the same order. With ``network``
-    ``= (alpha, beta)``, the messages go through :func:`emulated_network` (``"torch"``,
-    whose messages do not go through :mod:`labsupport.comm`, cannot be timed there).
+    sample, so that every rank makes the same calls in the same order. Only rank 0 is
+    timed; over loopback each sample ends with a barrier, so that it counts until every
+    rank has finished and the next case cannot start while others still run this one.
+    With ``network`` ``= (alpha, beta)``, the messages go through
+    :func:`emulated_network` (``"torch"``, whose messages do not go through
+    :mod:`labsupport.comm`, cannot be timed there).
     Returns rank 0's result (median seconds per label, and under ``"ratio"`` each
     label's median ratio to the first label's time in the same round); ``None`` on the
     other ranks.
@@ -130,12 +133,12 @@ def all_reduces_side_by_side(cases: dict, rounds: int = 7, network=None) -> dict
         tensor = torch.zeros(max(1, nbytes // 4), device=device())  # zeros stay finite
 
         def run():
-            if not member:
-                return
-            if algorithm == "torch":
+            if member and algorithm == "torch":
                 dist.all_reduce(tensor, group=group)
-            else:
+            elif member:
                 all_reduce(tensor, group=group, algorithm=algorithm)
+            if network is None:  # a sample ends when every rank is done, not rank 0 alone
+                dist.barrier()
 
         return run
 
