@@ -7,8 +7,9 @@ A lab calls ``launch(fn, world_size=4)``; on a cluster the same function runs wi
         --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id job1 \\
         -m labsupport.run labsupport.labs.lab06_launching:world_info
 
-Each rank initialises the default process group from torchrun's environment (nccl when
-each local rank has a GPU, gloo otherwise; ``--backend`` overrides), calls the function
+Each rank initialises the default process group from torchrun's environment
+(``cpu:gloo,cuda:nccl`` when each local rank has a GPU, gloo otherwise; ``--backend``
+overrides), calls the function
 with the keyword arguments given as ``name=value`` (values parsed as Python literals),
 prints what it returned as ``[rank N] -> value``, and tears the group down.
 """

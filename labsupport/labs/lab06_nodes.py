@@ -44,8 +44,9 @@ def torchrun_nodes(
 
     Each node is its own ``torchrun`` process, meeting the others through c10d rendezvous
     on 127.0.0.1, exactly as separate machines would meet at the first node's address.
-    With c10d rendezvous torchrun numbers the nodes in the order they join (it ignores
-    ``--node-rank``, which only the static rendezvous uses). Returns the
+    With c10d rendezvous torchrun numbers the nodes itself once all have joined, sorting
+    them by host name and then process id (it ignores ``--node-rank``, which only the
+    static rendezvous uses). Returns the
     ``[rank N] -> value`` lines the ranks printed, sorted by rank. Raises
     ``RuntimeError`` with each node's output if a node fails.
     """
@@ -80,6 +81,7 @@ SBATCH_TWO_NODES = """\
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1     # one task per node: torchrun, which starts the ranks
 #SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=64      # the node's cores for torchrun's 8 workers: set to your nodes'
 #SBATCH --time=00:10:00
 
 # The first node of the job hosts the rendezvous, on a port free there.
