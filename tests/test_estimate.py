@@ -566,3 +566,18 @@ def test_every_device_and_hierarchy_level_is_complete():
         sizes = [size for _, size, _ in levels]
         assert sizes == sorted(sizes), f"{device}: each level down is at least as large"
     assert datasheets.ASSUMED_ALPHA == 5e-6 and datasheets.ASSUMED_MFU == 0.40
+
+
+# --------------------------------------------------------------------------- tensor parallel
+
+
+def test_layer_costs_keep_tensor_parallelism_inside_a_server():
+    from labsupport.estimate.tensor_parallel import layer_costs
+
+    rows = {r["t"]: r for r in layer_costs()}
+    assert rows[8]["compute"] == pytest.approx(rows[2]["compute"] / 4)
+    assert rows[8]["NVLink 4 (H100)"] < 0.2 * rows[8]["compute"] < rows[8]["InfiniBand NDR"]
+    # one GPT-3 layer and sequence: 72·s·h²·(1 + s/6h) FLOPs at 40% of 989 TFLOP/s
+    s, h = 2048, 12288
+    want = 72 * s * h * h * (1 + s / (6 * h)) / (0.4 * 989e12)
+    assert rows[2]["compute"] * 2 == pytest.approx(want)

@@ -148,6 +148,47 @@ def test_saved_tensors_counts_what_autograd_keeps_for_backward():
     assert saved.nbytes == 3 * 10 * 4
 
 
+def test_saved_bytes_counts_saved_tensors_until_they_are_freed():
+    layer = torch.nn.Linear(8, 8)
+    held = memory.SavedBytes(exclude=layer)
+    x = torch.randn(4, 8, requires_grad=True)
+    with held.saving():
+        y = layer(x).relu()  # saves x (linear) and the output (relu): 2 x 128 bytes
+    assert held.live == held.peak == held.nbytes == 2 * 4 * 8 * 4
+    y.sum().backward()
+    del y
+    assert held.live == 128  # x itself is still alive here
+    del x
+    assert held.live == 0 and held.peak == held.nbytes == 256
+    with held.saving():  # counting again adds up
+        z = layer(torch.randn(4, 8, requires_grad=True))
+    assert held.live == 128 and held.nbytes == 384 and held.peak == 256
+    del z
+
+
+def test_saved_bytes_watches_only_the_modules_it_is_given():
+    inner, outer = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    held = memory.SavedBytes()
+    handles = held.watch([inner])
+    x = torch.randn(4, 8, requires_grad=True)
+    y = outer(inner(x).relu())  # inner saves x and its weight; relu and outer: unwatched
+    assert held.nbytes == 128 + 256
+
+    def fail(*_):
+        raise RuntimeError("boom")
+
+    failing = inner.register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        inner(torch.randn(4, 8, requires_grad=True))  # saves a new input: 128 bytes
+    assert held.nbytes == 128 + 256 + 128
+    outer(y)  # a failed forward left no counting behind: outer is still not watched
+    assert held.nbytes == 128 + 256 + 128
+    for handle in [*handles, failing]:
+        handle.remove()
+    inner(torch.randn(4, 8, requires_grad=True))  # no longer watched
+    assert held.nbytes == 128 + 256 + 128
+
+
 def test_live_memory_counts_new_tensors_and_frees_them():
     tracker = memory.LiveMemory()
     a = torch.ones(1000)

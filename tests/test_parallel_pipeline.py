@@ -10,6 +10,7 @@ from labsupport import LaunchError, launch
 from labsupport.models import GPT, GPTConfig, random_tokens
 from labsupport.parallel import pipeline_parallel as pp
 from labsupport.parallel import schedules as S
+from labsupport.parallel.parallel_state import Mesh
 
 MB, T = 2, 8  # sequences per micro-batch, tokens per sequence
 # float32: a pipeline sums each parameter's gradient over micro-batches in the same
@@ -18,14 +19,14 @@ MB, T = 2, 8  # sequences per micro-batch, tokens per sequence
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def config(layers: int, tied: bool = True) -> GPTConfig:
+def config(layers: int, tied: bool = True, **options) -> GPTConfig:
     return GPTConfig(vocab_size=64, block_size=T, n_layer=layers, n_head=2, n_embd=16,
-                     tie_weights=tied)  # fmt: skip
+                     tie_weights=tied, **options)  # fmt: skip
 
 
-def gpt(layers: int, tied: bool = True) -> GPT:
+def gpt(layers: int, tied: bool = True, **options) -> GPT:
     torch.manual_seed(0)
-    return GPT(config(layers, tied))
+    return GPT(config(layers, tied, **options))
 
 
 def micro_batches(m: int):
@@ -33,33 +34,40 @@ def micro_batches(m: int):
     return list(idx.split(MB)), list(targets.split(MB))
 
 
-def reference_grads(layers: int, m: int, tied: bool) -> dict:
-    model = gpt(layers, tied)
+def reference_grads(layers: int, m: int, tied: bool, **options) -> dict:
+    model = gpt(layers, tied, **options)
     idx, targets = micro_batches(m)
     model(torch.cat(idx), torch.cat(targets))[1].backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def stage_grads(chunks: dict) -> dict:
-    """The gradients this rank's chunks hold, by the GPT's parameter names."""
-    grads = {}
-    for stage in chunks.values():
-        owned = {id(q) for q in stage.parameters()}
-        for n, q in stage.gpt[0].named_parameters():
-            if id(q) in owned and q.grad is not None:
-                grads[n] = q.grad.clone()
-    return grads
+def stage_grads(chunks: dict, model) -> dict:
+    """The gradients this rank's chunks hold, by the GPT's parameter names (the last
+    stage's copy of a tied embedding under its own name, ``lm_head.weight``)."""
+    names = {id(q): n for n, q in model.named_parameters()}
+    return {
+        names.get(id(q), n): q.grad.clone()
+        for stage in chunks.values()
+        for n, q in stage.named_parameters()
+        if q.grad is not None
+    }
 
 
-def pipeline_grads(name: str, layers: int, m: int, v: int, tied: bool) -> dict:
+def pipeline_grads(name: str, layers: int, m: int, v: int, tied: bool, **options) -> dict:
     import torch.distributed as dist
 
     p, rank = dist.get_world_size(), dist.get_rank()
-    chunks = pp.stage_modules(gpt(layers, tied), p, rank, v)
+    groups = Mesh(dp=1, tp=1, pp=p).process_groups()
+    model = gpt(layers, tied, **options)
+    chunks = pp.stage_modules(model, p, rank, v)
     actions = S.build(name, p, m, v)[rank]
     idx, targets = micro_batches(m)
-    out = pp.run(chunks, actions, idx, targets, (MB, T, 16), v=v)
-    return {"grads": stage_grads(chunks), "losses": out["losses"], "peak": out["peak_microbatches"]}
+    out = pp.run(chunks, actions, idx, targets, (MB, T, 16), groups["pp"], groups.get("embedding"))
+    return {
+        "grads": stage_grads(chunks, model),
+        "losses": out["losses"],
+        "peak": out["peak_microbatches"],
+    }
 
 
 CASES = [
@@ -106,7 +114,7 @@ def test_schedules_never_deadlock_and_have_the_formulas_bubble(name, p, m):
     except ValueError as exc:
         assert name == "interleaved" and (m % p or p < 2), exc
         return
-    timeline = S.simulate(lists, v)
+    timeline = S.simulate(lists)
     for rank in timeline:
         done = sorted(a for a, _ in rank)
         want = sorted(S.Action(k, mb, c) for k in ("forward", "backward")
@@ -134,48 +142,28 @@ def test_a_schedule_that_cannot_run_is_refused_before_any_message():
         launch(pipeline_grads, 4, args=("gpipe", 3, 2, 1, True), timeout=60)
 
 
-class Logits(torch.nn.Module):
-    """A stage for torch.distributed.pipelining: the last one returns logits, not a loss."""
-
-    def __init__(self, stage: pp.Stage):
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, x):
-        gpt = self.stage.gpt[0]
-        if self.stage.first:
-            x = gpt.embed(x)
-        for block in self.stage.blocks:
-            x = gpt.run_block(block, x)
-        return gpt.head(x)[0] if self.stage.last else x
-
-
 def torch_pipelining_grads(name: str, layers: int, m: int, v: int) -> dict:
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed import pipelining
 
     p, rank = dist.get_world_size(), dist.get_rank()
-    chunks = pp.stage_modules(gpt(layers, tied=False), p, rank, v)
+    model = gpt(layers, tied=False)
+    chunks = pp.stage_modules(model, p, rank, v)  # a stage is a module torch can run as is
     stages = [
-        pipelining.PipelineStage(Logits(chunks[c]), c * p + rank, p * v, torch.device("cpu"))
+        pipelining.PipelineStage(chunks[c], c * p + rank, p * v, torch.device("cpu"))
         for c in range(v)
     ]
-
-    def loss_fn(logits, targets):
-        return F.cross_entropy(logits.reshape(-1, 64), targets.reshape(-1))
-
     kind = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}.get(name)
     if kind is None:
-        schedule = pipelining.ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+        schedule = pipelining.ScheduleInterleaved1F1B(stages, m, loss_fn=pp.cross_entropy)
     else:
-        schedule = kind(stages[0], m, loss_fn=loss_fn)
+        schedule = kind(stages[0], m, loss_fn=pp.cross_entropy)
     idx, targets = micro_batches(m)
     first, last = rank == 0, rank == p - 1
     args = (torch.cat(idx),) if first else ()
     kwargs = {"target": torch.cat(targets)} if last else {}
     schedule.step(*args, **kwargs)
-    return stage_grads(chunks)
+    return stage_grads(chunks, model)
 
 
 @pytest.mark.parametrize(("name", "p", "m", "v"), [("gpipe", 2, 4, 1), ("1f1b", 3, 4, 1),
@@ -188,3 +176,85 @@ def test_the_same_gradients_as_torch_distributed_pipelining(name, p, m, v):
         assert mine["grads"].keys() == torch_rank.keys()
         for n in torch_rank:
             torch.testing.assert_close(mine["grads"][n], torch_rank[n], **TOL, msg=n)
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def test_a_stage_owns_exactly_its_modules_and_the_model_is_left_as_it_was():
+    model = gpt(4, tied=True)
+    before = {n: (q, q.detach().clone()) for n, q in model.named_parameters()}
+    stages = [pp.stage_modules(model, 4, rank)[0] for rank in range(4)]
+    assert model.lm_head.weight is model.wte.weight and not hasattr(model, "tied")
+    for n, q in model.named_parameters():
+        assert q is before[n][0] and torch.equal(q, before[n][1]), n
+    names = [[n for n, _ in s.named_parameters()] for s in stages]
+    assert all(n.startswith("h.1.") for n in names[1]) and names[1][0] == "h.1.ln_1.weight"
+    assert names[0][:2] == ["embedding.wte.weight", "embedding.wpe.weight"]
+    assert names[3][-3:] == ["ln_f.weight", "ln_f.bias", "lm_head.weight"]
+    for middle in stages[1:3]:
+        assert all(isinstance(getattr(middle, piece), torch.nn.Identity)
+                   for piece in ("embedding", "ln_f", "lm_head"))  # fmt: skip
+    # every parameter of the model on exactly one stage; the last stage's copy apart
+    owned = [id(q) for s in stages for q in s.parameters()]
+    copy = stages[3].lm_head.weight
+    assert copy is not model.wte.weight and torch.equal(copy, model.wte.weight)
+    assert sorted(owned) == sorted([id(q) for q in model.parameters()] + [id(copy)])
+    assert [s.tied for s in stages] == [True, False, False, True]
+
+
+def test_a_stage_keeps_no_other_stage_alive():
+    import gc
+    import weakref
+
+    model = gpt(4, tied=False)
+    first_block, whole = weakref.ref(model.h[0]), weakref.ref(model)
+    last = pp.stage_modules(model, 4, 3)[0]
+    del model
+    gc.collect()
+    assert first_block() is None and whole() is None
+    assert last(torch.zeros(MB, T, 16)).shape == (MB, T, 64)  # logits
+
+
+def test_one_stage_holds_the_whole_model_with_its_tie():
+    model = gpt(2, tied=True)
+    (stage,) = pp.stage_modules(model, 1, 0).values()
+    assert stage.lm_head.weight is stage.embedding.wte.weight and not stage.tied
+    idx, targets = micro_batches(1)
+    want = model(idx[0], targets[0])[1]
+    assert torch.equal(pp.cross_entropy(stage(idx[0]), targets[0]), want)
+
+
+def test_a_tied_embedding_without_its_group_is_a_clear_error():
+    def run_without_group():
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        chunks = pp.stage_modules(gpt(2, tied=True), 2, rank)
+        idx, targets = micro_batches(2)
+        pp.run(chunks, S.build("1f1b", 2, 2)[rank], idx, targets, (MB, T, 16))
+
+    with pytest.raises(LaunchError, match="pass embedding_group="):
+        launch(run_without_group, 2, timeout=60)
+
+
+def test_full_recomputation_runs_in_the_stages_and_gives_the_same_gradients():
+    from labsupport.measure.memory import saved_tensors
+
+    saved = {}
+    for policy in ("none", "full"):
+        stage = pp.stage_modules(gpt(4, recompute=policy), 2, 1)[0]
+        x = torch.randn(MB, T, 16, requires_grad=True)
+        with saved_tensors(exclude=stage) as counted:
+            logits = stage(x)
+        saved[policy] = counted.nbytes
+        del logits
+    # recomputing, a block keeps its input only; the last stage's head keeps its own
+    assert saved["full"] < saved["none"] / 3
+    results = launch(pipeline_grads, 2, args=("1f1b", 4, 3, 1, True), kwargs={"recompute": "full"},
+                     timeout=180)  # fmt: skip
+    want = reference_grads(4, 3, True)
+    for r in results:
+        for n, g in r["grads"].items():
+            torch.testing.assert_close(g, want["wte.weight" if n == "lm_head.weight" else n],
+                                       **TOL, msg=n)  # fmt: skip

@@ -14,9 +14,9 @@ import matplotlib.pyplot as plt
 import torch
 
 from labsupport import launch
+from labsupport.estimate.tensor_parallel import layer_costs
 from labsupport.labs import lab04_checkpointing, lab07_collectives, lab10_data_parallel
 from labsupport.labs.lab06_launching import global_rank
-from labsupport.labs.lab12_memory import layer_costs
 from labsupport.labs.lab15_megatron import bloom_stack_figure
 from labsupport.models import MLPStack
 from labsupport.viz import clusters, collectives, dtypes, one_device, ranks, roofline, walls

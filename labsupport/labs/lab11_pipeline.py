@@ -18,7 +18,6 @@ from labsupport.labs.cells import exercise
 from labsupport.labs.lab11_stages import (
     LAB_GPT,
     MICRO_BATCH,
-    HeldActivations,
     build,
     micro_batches,
     reference_gradients,
@@ -26,8 +25,10 @@ from labsupport.labs.lab11_stages import (
 )
 from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
+from labsupport.measure.memory import SavedBytes
 from labsupport.parallel import pipeline_parallel as pp
 from labsupport.parallel import schedules
+from labsupport.parallel.parallel_state import Mesh
 
 
 def pipeline_steps(
@@ -39,13 +40,14 @@ def pipeline_steps(
     For each case, every rank builds the same GPT, keeps its stages
     (:func:`~labsupport.parallel.pipeline_parallel.stage_modules`) and runs its list of
     actions (:func:`~labsupport.parallel.schedules.build`) with the executor
-    (:func:`~labsupport.parallel.pipeline_parallel.run`). A result holds this rank's
-    actions with their start and end on the machine's clock (``time.perf_counter``,
-    which every process of one machine shares), the most micro-batches it held at once,
-    the peak bytes of activations it kept (:class:`HeldActivations`), the losses (last
-    rank) and, with ``gradients``, its parameters' gradients by name.
+    (:func:`~labsupport.parallel.pipeline_parallel.run`) over the mesh's groups. A result
+    holds this rank's actions, each with its start and end on ``time.perf_counter`` (one
+    clock for every process of a machine), the most micro-batches it held at once, the
+    peak bytes its blocks kept (:class:`~labsupport.measure.memory.SavedBytes`), the
+    losses (last rank) and, with ``gradients``, its gradients by the model's names.
     """
     p, rank = dist.get_world_size(), dist.get_rank()
+    groups = Mesh(dp=1, tp=1, pp=p).process_groups()
     results = []
     for schedule, m, v in progress(cases, "cases"):
         model = build(forward_s, backward_s).to(device())
@@ -54,10 +56,11 @@ def pipeline_steps(
         inputs, targets = micro_batches(m)
         shape = (MICRO_BATCH, LAB_GPT["block_size"], LAB_GPT["n_embd"])
         warm_up(model, shape)
-        held = model.held = HeldActivations(exclude=model)
+        held = SavedBytes(exclude=model)
+        held.watch(model.h)  # this rank runs its own stages' blocks only
         dist.barrier()
         clock = time.perf_counter()
-        out = pp.run(chunks, actions, inputs, targets, shape, v=v)
+        out = pp.run(chunks, actions, inputs, targets, shape, groups["pp"], groups.get("embedding"))
         result = {
             "rank": rank,
             "case": (schedule, m, v),
@@ -67,7 +70,7 @@ def pipeline_steps(
             "losses": out["losses"],
         }
         if gradients:
-            result["gradients"] = _stage_gradients(chunks)
+            result["gradients"] = _stage_gradients(chunks, model)
         results.append(result)
     return results
 
@@ -113,14 +116,11 @@ def describe(actions: list) -> str:
     return " ".join(words)
 
 
-def _stage_gradients(chunks: dict) -> dict:
-    grads = {}
-    for stage in chunks.values():
-        owned = {id(q) for q in stage.parameters()}
-        for name, q in stage.gpt[0].named_parameters():
-            if id(q) in owned and q.grad is not None:
-                grads[name] = q.grad.cpu().clone()
-    return grads
+def _stage_gradients(chunks: dict, model) -> dict:
+    """This rank's gradients by the model's names (the tied copy: ``lm_head.weight``)."""
+    names = {id(q): n for n, q in model.named_parameters()}
+    params = [(n, q) for stage in chunks.values() for n, q in stage.named_parameters()]
+    return {names.get(id(q), n): q.grad.cpu().clone() for n, q in params if q.grad is not None}
 
 
 # --------------------------------------------------------------------------- timelines

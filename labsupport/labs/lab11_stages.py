@@ -1,24 +1,22 @@
 """Lab 11, the model a pipeline lab on a laptop runs: the course GPT, whose blocks can
-wait as if each rank had its own accelerator, and a count of the activations it keeps.
+wait as if each rank had its own accelerator.
 
-* :class:`LabGPT`, the course GPT whose blocks also *wait* a fixed time in the forward
-  and the backward pass. On a machine with a GPU per rank, each stage computes on its
-  own device; on a 2-core laptop, 4 ranks share 2 cores and slow each other down
-  whenever more than two compute at once. The wait stands in for a kernel the rank
-  waits for, so that a timeline shows the schedule rather than the laptop;
-* :class:`HeldActivations`: the bytes autograd keeps for the backward pass that are
-  alive now, and their peak, counted in every block.
+:class:`Wait`, hooked on every block of the lab's GPT by :func:`build`, makes the block
+also *wait* a fixed time in the forward and the backward pass. On a machine with a GPU
+per rank, each stage computes on its own device; on a 2-core laptop, 4 ranks share 2
+cores and slow each other down whenever more than two compute at once. The wait stands
+in for a kernel the rank waits for, so that a timeline shows the schedule rather than
+the laptop. The activations the blocks keep are counted by
+:class:`labsupport.measure.memory.SavedBytes`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-import weakref
 
 import torch
-from torch import nn
 
+from labsupport.measure.memory import saved_tensors
 from labsupport.models import GPT, GPTConfig, random_tokens
 
 #: The lab's GPT: 8 blocks (2 per stage on 4 ranks, 1 per chunk when interleaved with
@@ -35,9 +33,11 @@ LAB_GPT = {
 MICRO_BATCH = 2  # sequences per micro-batch
 
 
-class _Wait(torch.autograd.Function):
+class Wait(torch.autograd.Function):
     """The identity, which also waits ``forward_s`` seconds in the forward pass and
-    ``backward_s`` in the backward pass, as a rank waits for its own accelerator."""
+    ``backward_s`` in the backward pass, as a rank waits for its own accelerator.
+    :meth:`hook` passes a block's output through it, wherever the block runs (in its
+    model, or in a pipeline stage that holds it)."""
 
     @staticmethod
     def forward(ctx, x, forward_s: float, backward_s: float):
@@ -50,68 +50,22 @@ class _Wait(torch.autograd.Function):
         time.sleep(ctx.backward_s)
         return grad, None, None
 
-
-class HeldActivations:
-    """The bytes autograd keeps for the backward pass that are alive now, and the peak.
-
-    Every tensor an operation saves passes the pack hook of :meth:`saving`; its storage
-    is counted once (a view and its base share one) until it is freed, which happens
-    when the backward pass of its micro-batch has used it. The parameters and buffers
-    of ``exclude`` are the model's state, not activations, and are left out.
-    """
-
-    def __init__(self, exclude: nn.Module):
-        self.exclude = {_key(t) for t in (*exclude.parameters(), *exclude.buffers())}
-        self.live = self.peak = 0
-        self._alive: set = set()
-
-    @contextlib.contextmanager
-    def saving(self):
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
-            yield self
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _key(tensor)
-        if key not in self.exclude and key not in self._alive:
-            storage = tensor.untyped_storage()
-            self._alive.add(key)
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, key, storage.nbytes())
-        return tensor
-
-    def _free(self, key, nbytes: int) -> None:
-        self.live -= nbytes
-        self._alive.discard(key)
+    @staticmethod
+    def hook(forward_s: float, backward_s: float):
+        """A forward hook (``module.register_forward_hook``) that makes the module wait."""
+        return lambda module, args, output: Wait.apply(output, forward_s, backward_s)
 
 
-def _key(tensor: torch.Tensor):
-    return tensor.device, tensor.untyped_storage().data_ptr()
-
-
-class LabGPT(GPT):
-    """The course GPT whose every block also waits ``forward_s`` seconds in the forward
-    pass and ``backward_s`` in the backward pass, and, while :attr:`held` is set, counts
-    the activations its blocks keep (:class:`HeldActivations`)."""
-
-    def __init__(self, config: GPTConfig, forward_s: float = 0.0, backward_s: float = 0.0):
-        super().__init__(config)
-        self.forward_s, self.backward_s = forward_s, backward_s
-        self.held: HeldActivations | None = None
-
-    def run_block(self, block, x):
-        counting = self.held.saving() if self.held is not None else contextlib.nullcontext()
-        with counting:
-            y = super().run_block(block, x)
-        if self.forward_s or self.backward_s:
-            y = _Wait.apply(y, self.forward_s, self.backward_s)
-        return y
-
-
-def build(forward_s: float = 0.0, backward_s: float = 0.0, seed: int = 0) -> LabGPT:
-    """The lab's GPT (:data:`LAB_GPT`), the same weights on every rank for a ``seed``."""
+def build(forward_s: float = 0.0, backward_s: float = 0.0, seed: int = 0) -> GPT:
+    """The lab's GPT (:data:`LAB_GPT`), the same weights on every rank for a ``seed``;
+    each block also waits ``forward_s`` seconds in the forward pass and ``backward_s`` in
+    the backward pass (:class:`Wait`)."""
     torch.manual_seed(seed)
-    return LabGPT(GPTConfig(**LAB_GPT), forward_s, backward_s)
+    model = GPT(GPTConfig(**LAB_GPT))
+    if forward_s or backward_s:
+        for block in model.h:
+            block.register_forward_hook(Wait.hook(forward_s, backward_s))
+    return model
 
 
 def micro_batches(m: int, seed: int = 1) -> tuple[list, list]:
@@ -142,7 +96,7 @@ def warm_up(model: GPT, shape: tuple) -> None:
 def activation_bytes_per_block() -> int:
     """Bytes one block keeps for the backward pass of one micro-batch, measured."""
     model = build()
-    model.held = held = HeldActivations(exclude=model)
     x = torch.zeros(MICRO_BATCH, LAB_GPT["block_size"], LAB_GPT["n_embd"], requires_grad=True)
-    model.run_block(model.h[0], x)
-    return held.peak
+    with saved_tensors(exclude=model) as saved:
+        model.h[0](x)
+    return saved.nbytes

@@ -1,5 +1,5 @@
 """Lab 12, what a tensor-parallel block keeps for the backward pass, measured against
-Korthikanti et al.'s formula, and what tensor parallelism costs on NVLink and InfiniBand.
+Korthikanti et al.'s formula.
 
 * :class:`MeasuredBlock`: the course's :class:`~labsupport.parallel.tensor_parallel_model.
   ParallelBlock` with its attention written out (as the dense GPT's ``attention="math"``),
@@ -7,8 +7,10 @@ Korthikanti et al.'s formula, and what tensor parallelism costs on NVLink and In
   column-parallel layers keep only their sequence shard and all-gather it again in the
   backward pass, as Megatron-LM does under sequence parallelism (:class:`GatheredLinear`);
 * :func:`saved_bytes`: the bytes one such block saves on this rank, for each tensor-parallel
-  size, with and without sequence parallelism (run on 4 ranks);
-* :func:`layer_costs`: modelled per-layer compute and communication time of a real model.
+  size, with and without sequence parallelism (run on 4 ranks).
+
+What tensor parallelism costs per layer on NVLink and InfiniBand, modelled, is
+:func:`labsupport.estimate.tensor_parallel.layer_costs`.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labsupport.comm import traced
-from labsupport.comm.cost import all_reduce_time
-from labsupport.estimate.datasheets import ASSUMED_ALPHA, ASSUMED_MFU, MODELS, beta, device_spec
 from labsupport.estimate.memory import activation_memory
 from labsupport.measure.memory import saved_tensors
 from labsupport.models import GPT, GPTConfig
@@ -142,22 +142,3 @@ def formula_bytes(t: int, sequence_parallel: bool) -> int:
     )
     tokens = BATCH * (s // t if sequence_parallel else s)
     return int(values) + 2 * 2 * tokens * 4
-
-
-def layer_costs(t_values=(2, 4, 8, 16), model: str = "GPT-3 175B", gpu: str = "H100 SXM"):
-    """Modelled seconds per layer and micro-batch of one sequence, per GPU: the forward and
-    backward compute (3 forwards' worth, at :data:`ASSUMED_MFU` of the GPU's 16-bit peak),
-    and the 4 ring all-reduces of ``2·s·h`` bytes over NVLink 4 or one 400 Gb/s
-    InfiniBand port per GPU, with :data:`ASSUMED_ALPHA`. Not measured: a model."""
-    m = MODELS[model]
-    s, h = m["seq_len"], m["hidden"]
-    flops = 3 * 24 * s * h * h * (1 + s / (6 * h))  # Narayanan et al. 2021, appendix
-    peak = device_spec(gpu)["tensor"] * ASSUMED_MFU
-    nbytes = 2 * s * h  # one bf16 activation
-    rows = []
-    for t in t_values:
-        row = {"t": t, "compute": flops / t / peak}
-        for link in ("NVLink 4 (H100)", "InfiniBand NDR"):
-            row[link] = 4 * float(all_reduce_time("ring", t, nbytes, ASSUMED_ALPHA, beta(link)))
-        rows.append(row)
-    return rows

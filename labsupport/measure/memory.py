@@ -2,7 +2,8 @@
 
 * :func:`count_parameters` and :func:`storage_bytes`: a model's size, a tied weight once;
 * :func:`model_state_bytes`: weights, gradients and optimizer state, part by part;
-* :func:`saved_tensors`: the bytes autograd saves for the backward pass;
+* :func:`saved_tensors` and :class:`SavedBytes`: the bytes autograd saves for the backward
+  pass, and how many of them are alive at once (a pipeline's held activations);
 * :class:`LiveMemory`: the bytes alive, and their peak, over a forward and backward pass.
 
 These read the storages of real tensors rather than compute from shapes, so that the
@@ -69,35 +70,68 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 
 class SavedBytes:
-    """What :func:`saved_tensors` counted: ``nbytes`` of distinct storages saved."""
+    """The bytes autograd saves for the backward pass while it counts: ``nbytes``, every
+    storage saved; ``live``, those not freed yet; ``peak``, the most alive at once.
 
-    def __init__(self, exclude: set):
-        self.exclude = exclude
-        self.storages: dict = {}
+    Every tensor an operation saves passes the pack hook of
+    ``torch.autograd.graph.saved_tensors_hooks``; its storage is counted once (a view and
+    its base share one) until it is freed, which happens once the backward pass has used
+    it and its graph is gone. The parameters and buffers of ``exclude`` are the model's
+    state, not activations, and are left out. Count inside ``with counter.saving():``,
+    or in the forward pass of some modules only (:meth:`watch`).
+    """
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.storages.values())
+    def __init__(self, exclude: nn.Module | None = None):
+        state = [*exclude.parameters(), *exclude.buffers()] if exclude is not None else []
+        self.exclude = {_key(t) for t in state}
+        self.nbytes = self.live = self.peak = 0
+        self._alive: set = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def saving(self):
+        """A context manager: count what autograd saves inside it (enter it any number
+        of times; the counts add up)."""
+        return self._hooks
+
+    def watch(self, modules) -> list:
+        """Count what each of ``modules`` saves in its forward pass: forward hooks enter
+        :meth:`saving` before it and leave after it, however it is called (by its model,
+        a pipeline stage, a checkpoint). Returns the hooks' handles (``.remove()``)."""
+        handles = []
+        for module in modules:
+            handles.append(module.register_forward_pre_hook(lambda *_: self._hooks.__enter__()))
+            handles.append(
+                module.register_forward_hook(
+                    lambda *_: self._hooks.__exit__(None, None, None), always_call=True
+                )
+            )
+        return handles
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _key(tensor)
-        if key not in self.exclude:
-            self.storages[key] = tensor.untyped_storage().nbytes()
+        if key not in self.exclude and key not in self._alive:
+            storage = tensor.untyped_storage()
+            size = storage.nbytes()
+            self._alive.add(key)
+            self.nbytes += size
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            if not tensor.is_meta:  # a meta tensor has no memory to free
+                weakref.finalize(storage, self._free, key, size)
         return tensor
+
+    def _free(self, key, size: int) -> None:
+        self.live -= size
+        self._alive.discard(key)
 
 
 @contextlib.contextmanager
 def saved_tensors(exclude: nn.Module | None = None):
-    """Count the bytes autograd saves for the backward pass inside the ``with`` block.
-
-    Every tensor an operation saves for backward passes through a
-    ``torch.autograd.graph.saved_tensors_hooks`` pack hook; this one adds up the
-    storages it sees (a view and its base count once), leaving out the parameters and
-    buffers of ``exclude`` (the model's own state is not an activation).
-    """
-    state = [*exclude.parameters(), *exclude.buffers()] if exclude is not None else []
-    counter = SavedBytes({_key(t) for t in state})
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor):
+    """Count the bytes autograd saves for the backward pass inside the ``with`` block:
+    ``with saved_tensors(exclude=model) as saved: ...``, then ``saved.nbytes``
+    (a :class:`SavedBytes`, leaving out the parameters and buffers of ``exclude``)."""
+    counter = SavedBytes(exclude)
+    with counter.saving():
         yield counter
 
 

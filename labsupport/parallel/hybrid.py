@@ -13,6 +13,8 @@ data-parallel ranks, each share into micro-batches.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +22,7 @@ from labsupport.launch.runtime import device
 from labsupport.models import GPT, GPTConfig, random_tokens
 from labsupport.parallel import pipeline_parallel, schedules
 from labsupport.parallel.parallel_state import Mesh
+from labsupport.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from labsupport.parallel.tensor_parallel_model import ParallelGPT
 from labsupport.parallel.zero import ZeRO
 
@@ -61,10 +64,13 @@ def train_3d(
     # dropout: each pipeline stage draws its own masks, as Megatron seeds seed + 100 x its
     # pipeline rank (replicated regions: the default generator; split ones: per TP rank)
     torch.manual_seed(seed + 100 * where["pp"])
+    loss_fn = pipeline_parallel.cross_entropy
     if tp > 1:
         model = ParallelGPT(model, group=groups["tp"], seed=seed + 100 * where["pp"])
+        loss_fn = functools.partial(vocab_parallel_loss, start=model.wte.start, group=groups["tp"])
     chunks = pipeline_parallel.stage_modules(model, pp, where["pp"])
     stage = chunks[0]
+    del model  # the stage holds its own modules: the other stages' can go
     zero = ZeRO(stage, 1, group=groups["dp"], lr=lr)
     actions = schedules.one_f_one_b(pp, microbatches, where["pp"])
     share = batch // dp
@@ -81,6 +87,7 @@ def train_3d(
             (micro, cfg.block_size, cfg.n_embd),
             group=groups["pp"],
             embedding_group=groups.get("embedding"),
+            loss_fn=loss_fn,
         )
         zero.step()
         zero.zero_grad()
@@ -94,6 +101,12 @@ def train_3d(
         "groups": {axis: mesh.group_of(axis, rank) for axis in ("tp", "dp", "pp")},
         "losses": losses,
     }
+
+
+def vocab_parallel_loss(logits, targets, start: int, group):
+    """The tensor-parallel GPT's loss, on logits split by vocabulary: the mean over every
+    position of :func:`~labsupport.parallel.tensor_parallel.vocab_parallel_cross_entropy`."""
+    return vocab_parallel_cross_entropy(logits, targets, start, group).mean()
 
 
 def train_single(config: dict, steps: int, batch: int, lr: float = 1e-3, seed: int = 0):

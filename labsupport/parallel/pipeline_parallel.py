@@ -1,60 +1,100 @@
 """Pipeline parallelism: the course GPT cut into stages, one executor for every schedule.
 
-:func:`stage_modules` cuts a :class:`labsupport.models.GPT` into ``p * v`` stages of
-consecutive blocks (the first also embeds, the last also computes the loss); rank ``r``
-holds the chunks ``r, r + p, ...`` (one with ``v = 1``). :func:`run` executes a schedule
-of :mod:`labsupport.parallel.schedules` on this rank: forward and backward of each
-micro-batch through its chunks, activations sent to the next stage and gradients back,
-every consecutive run of messages posted as one batch (:func:`labsupport.comm.p2p.
-exchange_many`), every action timestamped.
+:func:`stage_modules` cuts a :class:`labsupport.models.GPT` (or the tensor-parallel
+:class:`~labsupport.parallel.tensor_parallel_model.ParallelGPT`) into ``p * v`` stages of
+consecutive blocks; rank ``r`` holds the chunks ``r, r + p, ...`` (one with ``v = 1``).
+A :class:`Stage` owns exactly the modules it runs, as picotron's ``PipelineParallel``
+does (``picotron/pipeline_parallel/pipeline_parallel.py``): the first stage the
+embeddings, the last the final LayerNorm and the output layer, ``nn.Identity()`` where a
+stage has none of them, so that its forward reads top to bottom. The caller's model is
+left as it was.
 
-The loss of each micro-batch is divided by the number of micro-batches before its
-backward, once, so that the accumulated gradients are those of the mean loss over the
-whole batch: the same gradients as one process running the whole batch (the scaling
-production frameworks keep getting wrong, e.g. Megatron-LM issue #1000's kind).
+:func:`run` executes a schedule of :mod:`labsupport.parallel.schedules` on this rank:
+forward and backward of each micro-batch through its chunks, activations sent to the
+next stage and gradients back, every consecutive run of messages posted as one batch
+(:func:`labsupport.comm.p2p.exchange_many`), every action timestamped. The last stage
+returns logits, and :func:`run` turns them into the micro-batch's loss with ``loss_fn``,
+as ``torch.distributed.pipelining``'s schedules do. Each loss is divided by the number of
+micro-batches before its backward, once, so that the accumulated gradients are those of
+the mean loss over the whole batch: the same gradients as one process running the whole
+batch (the scaling production frameworks keep getting wrong, e.g. Megatron-LM issue
+#1000's kind).
 
 A GPT whose output layer shares the token embedding (weight tying) has that matrix on
 the first stage and a copy on the last: after the backward pass, :func:`run` all-reduces
-their two gradients over the group of those two ranks, as Megatron's "embedding group"
-does, so both copies take the same step.
+their two gradients over the group of those two ranks, Megatron's "embedding group", so
+both copies take the same step. The group comes from the mesh
+(:meth:`~labsupport.parallel.parallel_state.Mesh.process_groups`) or from the caller.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from labsupport.comm.p2p import Group, exchange_many
 from labsupport.launch.runtime import device
+from labsupport.models import GPT
 from labsupport.parallel import schedules
 
 
+class Embedding(nn.Module):
+    """The first stage's input layer, made of the model's own modules: token plus
+    position embeddings, then dropout (:meth:`labsupport.models.GPT.embed`)."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+
+    def forward(self, idx):
+        t = idx.size(1)
+        if t > self.wpe.num_embeddings:
+            raise ValueError(f"a sequence of {t} tokens is longer than block_size")
+        return self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
+
+
 class Stage(nn.Module):
-    """Consecutive blocks of a GPT; the first stage embeds, the last applies the head."""
+    """The blocks ``blocks`` of a GPT and nothing else; the ``first`` stage also embeds,
+    the ``last`` also applies the final LayerNorm and the output layer (it returns logits).
+
+    Its modules are the model's, so training the stage trains them; with a tied output
+    layer, the last stage takes a copy of the matrix instead (``tied``: this stage holds
+    one of the two copies). The dense GPT's ``recompute="full"`` reruns each block's
+    forward in the backward pass, as :meth:`labsupport.models.GPT.run_block` does.
+    """
 
     def __init__(self, gpt, blocks: range, first: bool, last: bool):
         super().__init__()
         self.first, self.last = first, last
-        self.blocks = nn.ModuleList(gpt.h[i] for i in blocks)
-        self.wte = gpt.wte if first else None
-        self.wpe = gpt.wpe if first else None
-        self.drop = gpt.drop if first else None
-        self.ln_f = gpt.ln_f if last else None
-        self.lm_head = gpt.lm_head if last else None
-        self.gpt = [gpt]  # a list, so that it is not registered as a submodule
+        self.tied = gpt.lm_head.weight is gpt.wte.weight and first != last
+        self.recompute = isinstance(gpt, GPT) and gpt.config.recompute == "full"
+        self.embedding = Embedding(gpt) if first else nn.Identity()
+        self.h = nn.ModuleDict({str(i): gpt.h[i] for i in blocks})  # the model's numbering
+        self.ln_f = gpt.ln_f if last else nn.Identity()
+        head = _own_copy(gpt.lm_head) if self.tied else gpt.lm_head  # tied: a copy
+        self.lm_head = head if last else nn.Identity()
 
-    def forward(self, x, targets=None):
-        gpt = self.gpt[0]
-        if self.first:
-            x = gpt.embed(x)
-        for block in self.blocks:
-            x = gpt.run_block(block, x)
-        if self.last:
-            return gpt.head(x, targets)[1]
-        return x
+    def forward(self, x):
+        x = self.embedding(x)  # the first stage: token ids to vectors
+        for block in self.h.values():
+            if self.recompute and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=True)
+            else:
+                x = block(x)
+        return self.lm_head(self.ln_f(x))  # the last stage: logits
+
+
+def _own_copy(module: nn.Module) -> nn.Module:
+    """``module`` with parameters of its own; a process group it holds is shared, not
+    copied (a group cannot be)."""
+    memo = {id(v): v for v in vars(module).values() if isinstance(v, dist.ProcessGroup)}
+    return copy.deepcopy(module, memo)
 
 
 def partition(layers: int, stages: int) -> list[range]:
@@ -74,17 +114,19 @@ def partition(layers: int, stages: int) -> list[range]:
 
 def stage_modules(gpt, p: int, rank: int, v: int = 1) -> dict[int, Stage]:
     """This rank's chunks of ``gpt`` (a :class:`labsupport.models.GPT`, or a
-    tensor-parallel one), cut in place: chunk ``c`` is stage ``c * p + rank``. A tied
-    output weight is untied (the last stage gets a copy), :func:`run` keeps them equal."""
-    if gpt.lm_head.weight is gpt.wte.weight:
-        gpt.lm_head.weight = nn.Parameter(gpt.wte.weight.detach().clone())
-        gpt.tied = True
-    parts = partition(len(gpt.h), p * v)
+    tensor-parallel one): chunk ``c`` is stage ``c * p + rank`` of ``p * v``."""
+    if not 0 <= rank < p:
+        raise ValueError(f"rank {rank} is not one of the {p} pipeline ranks")
     n = p * v
-    return {
-        c: Stage(gpt, parts[c * p + rank], c * p + rank == 0, c * p + rank == n - 1)
-        for c in range(v)
-    }
+    parts = partition(len(gpt.h), n)
+    stages = [c * p + rank for c in range(v)]
+    return {c: Stage(gpt, parts[s], s == 0, s == n - 1) for c, s in enumerate(stages)}
+
+
+def cross_entropy(logits, targets):
+    """The GPT's loss: the mean cross-entropy over every position
+    (:meth:`labsupport.models.GPT.head`)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def run(
@@ -94,22 +136,28 @@ def run(
     targets: list,
     activation_shape: tuple,
     group=None,
-    v: int = 1,
     embedding_group=None,
+    loss_fn=cross_entropy,
 ) -> dict:
     """Execute this rank's ``schedule`` on its ``chunks``; gradients accumulate in them.
 
     ``inputs[k]`` and ``targets[k]`` are micro-batch ``k``'s token ids and targets (only
-    the first and the last stage read them). ``activation_shape`` is what a stage sends
-    (micro-batch, sequence, width). Returns the micro-batches' losses (on the last stage),
-    every action with its start and end time, and the most micro-batches whose
-    activations this rank held at once. ``embedding_group`` is the group of the first
-    and the last stage's ranks, for a tied embedding; it is made here when the pipeline
-    is the whole world (in a mesh, :mod:`labsupport.parallel.parallel_state` makes it).
+    the first and the last stage read them); ``loss_fn(logits, targets)`` gives its loss.
+    ``activation_shape`` is what a stage sends (micro-batch, sequence, width). Returns the
+    micro-batches' losses (on the last stage), every action with its start and end time,
+    and the most micro-batches whose activations this rank held at once. A tied
+    embedding needs ``embedding_group``, the group of the first and the last stage's
+    ranks, on those two ranks.
     """
     g = Group(group)
-    rank, m = g.me, len(inputs)
-    dtype = next(iter(chunks.values())).blocks[0].ln_1.weight.dtype
+    if embedding_group is None and any(s.tied for s in chunks.values()):
+        raise ValueError(
+            "the model ties its output layer to its embedding: pass embedding_group=, the "
+            "group of the first and the last stage's ranks (Mesh.process_groups()"
+            '["embedding"], or dist.new_group([first, last]) called on every rank)'
+        )
+    m = len(inputs)
+    dtype = next(next(iter(chunks.values())).parameters()).dtype
     held: dict = {}  # (k, c) -> (stage input, stage output or loss)
     received: dict = {}  # ("act" | "grad", k, c) -> tensor
     losses, events, peak, start = {}, [], 0, time.perf_counter()
@@ -119,11 +167,10 @@ def run(
         if a.kind == "forward":
             stage = chunks[a.chunk]
             x = inputs[a.microbatch].to(device()) if stage.first else received.pop(("act", *a[1:]))
+            out = stage(x)
             if stage.last:
-                out = stage(x, targets[a.microbatch].to(device())) / m  # scaled once
+                out = loss_fn(out, targets[a.microbatch].to(device())) / m  # scaled once
                 losses[a.microbatch] = out.item() * m
-            else:
-                out = stage(x)
             held[a.microbatch, a.chunk] = (x, out)
             peak = max(peak, len(held))
         elif a.kind == "backward":
@@ -136,13 +183,13 @@ def run(
                 received["input_grad", *a[1:]] = x.grad
             del x, out  # else they keep this micro-batch's graph alive into the next forward
         else:
-            _communicate(g, batch, held, received, activation_shape, dtype, v)
+            _communicate(g, batch, held, received, activation_shape, dtype)
         events.append((a, begin, time.perf_counter() - start))
-    _all_reduce_tied(chunks, g, embedding_group)
-    return {"losses": losses, "events": events, "peak_microbatches": peak, "rank": rank}
+    _all_reduce_tied(chunks, embedding_group)
+    return {"losses": losses, "events": events, "peak_microbatches": peak, "rank": g.me}
 
 
-def _communicate(g, batch, held, received, shape, dtype, v) -> None:
+def _communicate(g, batch, held, received, shape, dtype) -> None:
     sends, recvs = [], []
     for a in batch:
         other, _ = schedules.peer(a, g.size, g.me)
@@ -160,38 +207,10 @@ def _communicate(g, batch, held, received, shape, dtype, v) -> None:
     exchange_many(g, sends, recvs)
 
 
-def _all_reduce_tied(chunks: dict[int, Stage], g: Group, embedding_group) -> None:
+def _all_reduce_tied(chunks: dict[int, Stage], embedding_group) -> None:
     """Sum the gradients of the token embedding (first stage) and of its copy in the
     output layer (last stage): the gradient of the one tied matrix."""
-    gpt = next(iter(chunks.values())).gpt[0]
-    if not getattr(gpt, "tied", False):
-        return
-    mine = [s.wte.weight for s in chunks.values() if s.first]
-    mine += [s.lm_head.weight for s in chunks.values() if s.last]
-    if g.size == 1:  # one stage holds both copies
-        total = sum(w.grad for w in mine)
-        for w in mine:
-            w.grad = total.clone()
-        return
-    world = g.group is None or g.group is dist.group.WORLD
-    if embedding_group is None and world:  # every rank takes part in making it
-        embedding_group = _world_embedding_group(g.size)
-    if not mine:  # a middle stage: no copy of the embedding here
-        return
-    if embedding_group is None:
-        raise ValueError(
-            "a tied embedding in a pipeline that is not the whole world needs "
-            "embedding_group= (the group of its first and last stages' ranks)"
-        )
-    for w in mine:  # the first or the last stage (with v > 1 both may be here)
-        dist.all_reduce(w.grad, group=embedding_group)
-
-
-_groups: dict = {}
-
-
-def _world_embedding_group(p: int):
-    """The group of ranks 0 and ``p - 1``, made once (every rank must call new_group)."""
-    if p not in _groups:
-        _groups[p] = dist.new_group([0, p - 1])
-    return _groups[p]
+    for stage in chunks.values():
+        if stage.tied:  # the first or the last stage
+            weight = stage.embedding.wte.weight if stage.first else stage.lm_head.weight
+            dist.all_reduce(weight.grad, group=embedding_group)

@@ -170,7 +170,7 @@ def peer(a: Action, p: int, rank: int) -> tuple[int, int]:
     return stage % p, stage // p
 
 
-def simulate(lists: list[list[Action]], v: int = 1) -> list[list[tuple[Action, int]]]:
+def simulate(lists: list[list[Action]]) -> list[list[tuple[Action, int]]]:
     """Play the schedule, message by message: each compute action takes one time slot; a
     rank posts each batch of messages when it reaches it and waits until every message in
     it has been posted by the peer too (in any of the peer's batches, earlier or later).

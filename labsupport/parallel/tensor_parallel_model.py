@@ -167,20 +167,31 @@ def all_reduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:
 
 
 class _Head(nn.Module):
-    """The output layer's weight, this rank's rows of the (padded) vocabulary."""
+    """The output layer: this rank's rows of the (padded) vocabulary, its input passed
+    through *f*; the logits of the padding rows are ``-inf``. A module of its own, so that
+    a pipeline's last stage can hold it (:mod:`labsupport.parallel.pipeline_parallel`)."""
 
-    def __init__(self, weight: nn.Parameter):
+    def __init__(self, weight: nn.Parameter, start: int, vocab_size: int, group=None):
         super().__init__()
         self.weight = weight
+        self.start, self.vocab_size, self.group = start, vocab_size, group
+
+    def forward(self, x):
+        x = copy_to_tensor_model_parallel_region(x, self.group)
+        logits = F.linear(x, self.weight)  # this rank's slice of the vocabulary
+        padding = torch.arange(logits.size(-1), device=logits.device) + self.start
+        return logits.masked_fill(padding >= self.vocab_size, float("-inf"))
 
 
 class ParallelGPT(nn.Module):
     """The whole course GPT, tensor-parallel (without sequence parallelism): the
     vocabulary-parallel embedding (tied with the output layer's weight, both split by
     vocabulary), replicated positions, parallel blocks, and the loss computed on logits
-    split by vocabulary. It has the dense model's pieces (``embed``, ``h`` and
-    ``run_block``, ``head``), so a pipeline stage can hold a part of it. Its blocks share
-    one :class:`RankRNGTracker`, seeded ``seed + 2718 + rank``."""
+    split by vocabulary. It has the dense model's modules (``wte``, ``wpe``, ``drop``,
+    ``h``, ``ln_f``, ``lm_head``), so a pipeline stage can hold its part of it
+    (:func:`labsupport.parallel.pipeline_parallel.stage_modules`); it does not recompute
+    (``recompute="full"`` is the dense model's). Its blocks share one
+    :class:`RankRNGTracker`, seeded ``seed + 2718 + rank``."""
 
     def __init__(self, gpt, group=None, seed: int = 0):
         super().__init__()
@@ -197,11 +208,12 @@ class ParallelGPT(nn.Module):
         self.rng = rank_tracker(group, seed)
         self.h = nn.ModuleList(ParallelBlock(b, config, group, rng=self.rng) for b in gpt.h)
         if config.tie_weights:
-            self.lm_head = _Head(self.wte.weight)
+            weight = self.wte.weight
         else:
             head = torch.zeros(self.wte.padded, config.n_embd)
             head[: config.vocab_size] = gpt.lm_head.weight.detach()
-            self.lm_head = _Head(nn.Parameter(head.chunk(t)[rank].clone()))
+            weight = nn.Parameter(head.chunk(t)[rank].clone())
+        self.lm_head = _Head(weight, self.wte.start, config.vocab_size, group)
 
     def embed(self, idx):
         pos = torch.arange(idx.size(1), device=idx.device)
@@ -211,10 +223,7 @@ class ParallelGPT(nn.Module):
         return block(x)
 
     def head(self, x, targets=None):
-        x = copy_to_tensor_model_parallel_region(self.ln_f(x), self.group)
-        logits = F.linear(x, self.lm_head.weight)  # this rank's slice of the vocabulary
-        padding = torch.arange(logits.size(-1), device=logits.device) + self.wte.start
-        logits = logits.masked_fill(padding >= self.config.vocab_size, float("-inf"))
+        logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None
         losses = vocab_parallel_cross_entropy(logits, targets, self.wte.start, self.group)

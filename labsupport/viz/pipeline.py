@@ -17,7 +17,7 @@ def simulated(name: str, p: int, m: int, v: int = 1) -> list[list[tuple]]:
     """The timeline of schedule ``name`` played by :func:`~labsupport.parallel.
     schedules.simulate`, every chunk's forward or backward one slot of ``1/v``: time in
     units of one whole stage's forward."""
-    timeline = schedules.simulate(schedules.build(name, p, m, v), v)
+    timeline = schedules.simulate(schedules.build(name, p, m, v))
     return [
         [(a.kind, a.microbatch, a.chunk, slot / v, (slot + 1) / v) for a, slot in rank]
         for rank in timeline
@@ -71,7 +71,7 @@ def draw_schedules(cases, p: int = 4):
     fig, axes = subplots(len(cases), 1, 9.0, 1.55 * len(cases) + 0.4, sharex=True)
     for ax, (title, name, m, v) in zip(axes, cases, strict=True):
         timeline = simulated(name, p, m, v)
-        bubble = schedules.measured_bubble(schedules.simulate(schedules.build(name, p, m, v), v))
+        bubble = schedules.measured_bubble(schedules.simulate(schedules.build(name, p, m, v)))
         draw_timeline(timeline, ax, f"{title}: idle {bubble:.0%} of the total", xlabel="")
     axes[-1].set_xlabel("time (slots: one stage's forward or backward of one micro-batch)")
     span = max(max(e for rank in simulated(n, p, m, v) for *_, e in rank) for _, n, m, v in cases)

@@ -150,7 +150,7 @@ def _box(ax, x, y, w, h, text, color, alpha=1.0):
 
 def draw_layer_costs(rows: list[dict], title: str):
     """Modelled compute and all-reduce time per layer and GPU for each tensor-parallel
-    size (:func:`labsupport.labs.lab12_memory.layer_costs`)."""
+    size (:func:`labsupport.estimate.tensor_parallel.layer_costs`)."""
     fig, ax = figure(7.5, 3.6)
     links = [k for k in rows[0] if k not in ("t", "compute")]
     width = 0.8 / (1 + len(links))
