@@ -5,10 +5,12 @@ Every rank builds the same GPT from a seed; :class:`~labsupport.parallel.paralle
 Mesh` gives it its coordinates and groups; the model is split over the tensor-parallel
 group (:class:`~labsupport.parallel.tensor_parallel_model.ParallelGPT`), cut into the
 pipeline stage of its coordinate (:func:`~labsupport.parallel.pipeline_parallel.
-stage_modules`), run with the 1F1B schedule over the pipeline group, and its stage's
-states sharded over the data-parallel group (:class:`~labsupport.parallel.zero.ZeRO`,
-stage 1, which also averages the gradients). The global batch is split over the
-data-parallel ranks, each share into micro-batches.
+stage_modules`; the rest of the model is dropped), run with the 1F1B schedule over the
+pipeline group (the loss on logits split by vocabulary when tensor parallelism splits
+them, :func:`vocab_parallel_loss`), and its stage's states sharded over the data-parallel
+group (:class:`~labsupport.parallel.zero.ZeRO`, stage 1, which also averages the
+gradients). The global batch is split over the data-parallel ranks, each share into
+micro-batches.
 """
 
 from __future__ import annotations

@@ -76,9 +76,10 @@ class Stage(nn.Module):
         self.recompute = isinstance(gpt, GPT) and gpt.config.recompute == "full"
         self.embedding = Embedding(gpt) if first else nn.Identity()
         self.h = nn.ModuleDict({str(i): gpt.h[i] for i in blocks})  # the model's numbering
-        self.ln_f = gpt.ln_f if last else nn.Identity()
-        head = _own_copy(gpt.lm_head) if self.tied else gpt.lm_head  # tied: a copy
-        self.lm_head = head if last else nn.Identity()
+        self.ln_f, self.lm_head = nn.Identity(), nn.Identity()
+        if last:  # tied: a copy of the matrix that the first stage's embedding holds
+            self.ln_f = gpt.ln_f
+            self.lm_head = _own_copy(gpt.lm_head) if self.tied else gpt.lm_head
 
     def forward(self, x):
         x = self.embedding(x)  # the first stage: token ids to vectors
