@@ -53,7 +53,7 @@ class Wait(torch.autograd.Function):
     @staticmethod
     def hook(forward_s: float, backward_s: float):
         """A forward hook (``module.register_forward_hook``) that makes the module wait."""
-        return lambda module, args, output: Wait.apply(output, forward_s, backward_s)
+        return lambda _module, _args, output: Wait.apply(output, forward_s, backward_s)
 
 
 def build(forward_s: float = 0.0, backward_s: float = 0.0, seed: int = 0) -> GPT:
