@@ -14,6 +14,7 @@ from test_lab07_collectives import checks
 from torch.utils.data import DistributedSampler
 
 from labsupport import launch
+from labsupport.estimate.overlap import overlap_schedule
 from labsupport.labs import lab10_data_parallel as lab
 from labsupport.labs import lab10_tools as tools
 from labsupport.viz import data_parallel as draw
@@ -70,16 +71,16 @@ def test_bytes_per_step_are_the_rings_on_every_bucket():
 
 def test_overlap_schedule_by_hand():
     # backward 0.1 s after a forward of 0.05 s, two buckets of 100 and 300 bytes
-    buckets, step = lab.overlap_schedule([100, 300], 0.05, 0.1, a=0.01, b=1e-4)
+    buckets, step = overlap_schedule([100, 300], 0.05, 0.1, a=0.01, b=1e-4)
     assert buckets[0] == pytest.approx((0.075, 0.075, 0.095))  # ready after a quarter
     assert buckets[1] == pytest.approx((0.15, 0.15, 0.19))
     assert step == pytest.approx(0.19)
-    naive, later = lab.overlap_schedule([100, 300], 0.05, 0.1, a=0.01, b=1e-4, overlap=False)
+    naive, later = overlap_schedule([100, 300], 0.05, 0.1, a=0.01, b=1e-4, overlap=False)
     assert naive[0][1] == pytest.approx(0.15) and later == pytest.approx(0.15 + 0.02 + 0.04)
 
 
 def test_overlap_figure_models_gpt2_small():
-    fig = lab.overlap_figure()
+    fig = draw.overlap_figure()
     titles = [ax.get_title(loc="left") for ax in fig.axes]
     assert titles[0].startswith("naive: one all-reduce per parameter") and "42.0 ms" in titles[0]
     assert "25 MiB" in titles[1] and "1 MiB" in titles[2]
