@@ -44,7 +44,7 @@ def test_step_timeline_records_every_bucket_in_order():
         order = [what for what, _ in events]
         assert order[0] == "forward" and order[-1] == "step"
         assert [t for _, t in events] == sorted(t for _, t in events)
-        for b in range(9):
+        for b in range(7):
             start = order.index(f"all-reduce start bucket {b}")
             assert start < order.index(f"all-reduce finished bucket {b}")
     lanes = draw.step_lanes(per_rank)
@@ -54,14 +54,14 @@ def test_step_timeline_records_every_bucket_in_order():
         "rank 1 compute",
         "rank 1 all-reduce",
     ]
-    assert len(lanes["rank 0 all-reduce"]) == 9
+    assert len(lanes["rank 0 all-reduce"]) == 7
     fig = draw.draw_lanes({"step": lanes})
     assert len(fig.axes[0].patches) >= 2 * 3  # every rank's forward, backward and step at least
 
 
 def test_bytes_per_step_are_the_rings_on_every_bucket():
     for r in launch(lab.bytes_per_step, 3, kwargs={"bucket_cap_mb": 0.5}, timeout=120):
-        assert r["buckets"] == 9
+        assert r["buckets"] == 7
         assert r["counted"] == r["formula"]  # exact, uneven chunks included
         # 2(N-1)/N of the gradient, give or take one float32 per chunk sent (3 ranks
         # cut a bucket into chunks that differ by one element)
@@ -144,9 +144,33 @@ def test_summing_with_lr_over_n_is_averaging():
 
 
 def forward_order(numels, cap_bytes):
-    """Buckets in registration order: the first layer's gradients, ready last, go first."""
+    """torch's buckets, not reversed: the first layer's, whose gradients come last, first."""
     buckets, current, size = [], [], 0
     for i in range(len(numels)):
+        current.append(i)
+        size += 4 * numels[i]
+        if size >= cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def empty_first(numels, cap_bytes):
+    """Closes the current bucket before adding, without checking that it holds anything."""
+    buckets, current, size = [], [], 0
+    for i in range(len(numels)):
+        if size + 4 * numels[i] > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += 4 * numels[i]
+    return (buckets + [current])[::-1]
+
+
+def before_the_cap(numels, cap_bytes):
+    """Never lets a bucket pass the cap (the course's rule before it followed torch)."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(numels))):
         if current and size + 4 * numels[i] > cap_bytes:
             buckets.append(current)
             current, size = [], 0
@@ -155,20 +179,9 @@ def forward_order(numels, cap_bytes):
     return buckets + [current]
 
 
-def empty_first(numels, cap_bytes):
-    """Closes the current bucket without checking that it holds anything."""
-    buckets, current, size = [], [], 0
-    for i in reversed(range(len(numels))):
-        if size + 4 * numels[i] > cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += 4 * numels[i]
-    return buckets + [current]
-
-
-def past_the_cap(numels, cap_bytes):
-    """Closes a bucket once it exceeds the cap (PyTorch's rule), not before."""
+def filled_from_the_end(numels, cap_bytes):
+    """Torch's closing rule, but filled from the last parameter: the leftover bucket
+    ends up last instead of first."""
     buckets, current, size = [], [], 0
     for i in reversed(range(len(numels))):
         current.append(i)
@@ -181,9 +194,10 @@ def past_the_cap(numels, cap_bytes):
 
 def test_check_buckets(capsys):
     mistakes = [
-        (forward_order, "last layer's gradients first"),
+        (forward_order, "last layer's gradients first: reverse the buckets"),
         (empty_first, "a bucket is never empty"),
-        (past_the_cap, "sizes \\[50, 300, 50\\]"),
+        (before_the_cap, "sizes \\[50, 300, 50\\].*reaches or passes the cap"),
+        (filled_from_the_end, "sizes \\[50, 300, 50\\].*in registration order"),
         (lambda numels, cap: None, "should return a list of lists"),
     ]
     checks(capsys, tools.check_buckets, LAB, "my_buckets", "DDP's buckets", mistakes)

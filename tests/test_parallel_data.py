@@ -396,10 +396,16 @@ def test_a_parameter_without_gradient_is_named_in_a_clear_error():
 
 
 def bucket_cap_none() -> tuple:
-    ddp = DistributedDataParallel(Tied(), bucket_cap_mb=None)
-    return len(ddp.buckets), ddp.buckets[0].nbytes
+    with traced.trace_collectives() as trace:
+        ddp = DistributedDataParallel(Tied(), bucket_cap_mb=None)
+    return len(ddp.buckets), ddp.buckets[0].nbytes, trace.count("broadcast"), trace
 
 
-def test_bucket_cap_none_is_torch_s_default():
+def test_bucket_cap_none_is_torch_s_default_and_wrapping_broadcasts_through_traced():
+    buckets, nbytes, broadcasts, trace = launch(bucket_cap_none, 2, timeout=60)[0]
     # the Tied model is smaller than the 1 MiB first bucket: one bucket
-    assert launch(bucket_cap_none, 2, timeout=60)[0] == (1, (16 * 8 + 8 * 8 + 8 + 8 * 8 + 8) * 4)
+    assert (buckets, nbytes) == (1, (16 * 8 + 8 * 8 + 8 + 8 * 8 + 8) * 4)
+    # rank 0's parameters, the frozen ones included, the tied one once; as a chain, every
+    # rank but the last sends each tensor once: (N - 1) / N of the bytes on average
+    assert broadcasts == 7
+    assert traced.bytes_per_rank(trace) == sum(p.numel() * 4 for p in Tied().parameters()) / 2

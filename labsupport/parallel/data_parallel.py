@@ -38,7 +38,7 @@ def all_reduce_gradients(model: nn.Module, group=None) -> None:
     world = dist.get_world_size(group)
     for p in model.parameters():
         if p.grad is not None:
-            traced.all_reduce(p.grad, group)
+            dist.all_reduce(p.grad, group=group)
             p.grad /= world
 
 
