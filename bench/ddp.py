@@ -1,6 +1,6 @@
 """Bucketed data parallelism from scratch vs torch's DistributedDataParallel.
 
-4 ranks, the course GPT (4 layers, d = 128, 256 tokens of context), one training step
+4 ranks, the course GPT (4 layers, d = 128, 128 tokens of context), one training step
 (forward, backward with the bucketed all-reduces, SGD step) of each, alternating step
 by step inside one launch so that both see the same machine load. Each step starts
 after a barrier and counts the slowest rank. Target (issue 10): the from-scratch

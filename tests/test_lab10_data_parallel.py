@@ -14,6 +14,7 @@ from test_lab07_collectives import checks
 from torch.utils.data import DistributedSampler
 
 from labsupport import launch
+from labsupport.estimate.overlap import overlap_schedule
 from labsupport.labs import lab10_data_parallel as lab
 from labsupport.labs import lab10_tools as tools
 from labsupport.viz import data_parallel as draw
@@ -43,7 +44,7 @@ def test_step_timeline_records_every_bucket_in_order():
         order = [what for what, _ in events]
         assert order[0] == "forward" and order[-1] == "step"
         assert [t for _, t in events] == sorted(t for _, t in events)
-        for b in range(9):
+        for b in range(7):
             start = order.index(f"all-reduce start bucket {b}")
             assert start < order.index(f"all-reduce finished bucket {b}")
     lanes = draw.step_lanes(per_rank)
@@ -53,14 +54,14 @@ def test_step_timeline_records_every_bucket_in_order():
         "rank 1 compute",
         "rank 1 all-reduce",
     ]
-    assert len(lanes["rank 0 all-reduce"]) == 9
+    assert len(lanes["rank 0 all-reduce"]) == 7
     fig = draw.draw_lanes({"step": lanes})
     assert len(fig.axes[0].patches) >= 2 * 3  # every rank's forward, backward and step at least
 
 
 def test_bytes_per_step_are_the_rings_on_every_bucket():
     for r in launch(lab.bytes_per_step, 3, kwargs={"bucket_cap_mb": 0.5}, timeout=120):
-        assert r["buckets"] == 9
+        assert r["buckets"] == 7
         assert r["counted"] == r["formula"]  # exact, uneven chunks included
         # 2(N-1)/N of the gradient, give or take one float32 per chunk sent (3 ranks
         # cut a bucket into chunks that differ by one element)
@@ -70,16 +71,16 @@ def test_bytes_per_step_are_the_rings_on_every_bucket():
 
 def test_overlap_schedule_by_hand():
     # backward 0.1 s after a forward of 0.05 s, two buckets of 100 and 300 bytes
-    buckets, step = lab.overlap_schedule([100, 300], 0.05, 0.1, a=0.01, b=1e-4)
+    buckets, step = overlap_schedule([100, 300], 0.05, 0.1, a=0.01, b=1e-4)
     assert buckets[0] == pytest.approx((0.075, 0.075, 0.095))  # ready after a quarter
     assert buckets[1] == pytest.approx((0.15, 0.15, 0.19))
     assert step == pytest.approx(0.19)
-    naive, later = lab.overlap_schedule([100, 300], 0.05, 0.1, a=0.01, b=1e-4, overlap=False)
+    naive, later = overlap_schedule([100, 300], 0.05, 0.1, a=0.01, b=1e-4, overlap=False)
     assert naive[0][1] == pytest.approx(0.15) and later == pytest.approx(0.15 + 0.02 + 0.04)
 
 
 def test_overlap_figure_models_gpt2_small():
-    fig = lab.overlap_figure()
+    fig = draw.overlap_figure()
     titles = [ax.get_title(loc="left") for ax in fig.axes]
     assert titles[0].startswith("naive: one all-reduce per parameter") and "42.0 ms" in titles[0]
     assert "25 MiB" in titles[1] and "1 MiB" in titles[2]
@@ -143,9 +144,33 @@ def test_summing_with_lr_over_n_is_averaging():
 
 
 def forward_order(numels, cap_bytes):
-    """Buckets in registration order: the first layer's gradients, ready last, go first."""
+    """torch's buckets, not reversed: the first layer's, whose gradients come last, first."""
     buckets, current, size = [], [], 0
     for i in range(len(numels)):
+        current.append(i)
+        size += 4 * numels[i]
+        if size >= cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def empty_first(numels, cap_bytes):
+    """Closes the current bucket before adding, without checking that it holds anything."""
+    buckets, current, size = [], [], 0
+    for i in range(len(numels)):
+        if size + 4 * numels[i] > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += 4 * numels[i]
+    return (buckets + [current])[::-1]
+
+
+def before_the_cap(numels, cap_bytes):
+    """Never lets a bucket pass the cap (the course's rule before it followed torch)."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(numels))):
         if current and size + 4 * numels[i] > cap_bytes:
             buckets.append(current)
             current, size = [], 0
@@ -154,20 +179,9 @@ def forward_order(numels, cap_bytes):
     return buckets + [current]
 
 
-def empty_first(numels, cap_bytes):
-    """Closes the current bucket without checking that it holds anything."""
-    buckets, current, size = [], [], 0
-    for i in reversed(range(len(numels))):
-        if size + 4 * numels[i] > cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += 4 * numels[i]
-    return buckets + [current]
-
-
-def past_the_cap(numels, cap_bytes):
-    """Closes a bucket once it exceeds the cap (PyTorch's rule), not before."""
+def filled_from_the_end(numels, cap_bytes):
+    """Torch's closing rule, but filled from the last parameter: the leftover bucket
+    ends up last instead of first."""
     buckets, current, size = [], [], 0
     for i in reversed(range(len(numels))):
         current.append(i)
@@ -180,9 +194,10 @@ def past_the_cap(numels, cap_bytes):
 
 def test_check_buckets(capsys):
     mistakes = [
-        (forward_order, "last layer's gradients first"),
+        (forward_order, "last layer's gradients first: reverse the buckets"),
         (empty_first, "a bucket is never empty"),
-        (past_the_cap, "sizes \\[50, 300, 50\\]"),
+        (before_the_cap, "sizes \\[50, 300, 50\\].*reaches or passes the cap"),
+        (filled_from_the_end, "sizes \\[50, 300, 50\\].*in registration order"),
         (lambda numels, cap: None, "should return a list of lists"),
     ]
     checks(capsys, tools.check_buckets, LAB, "my_buckets", "DDP's buckets", mistakes)

@@ -1,23 +1,30 @@
 """Data parallelism from scratch against PyTorch's DistributedDataParallel and against one
 process training on the whole batch, on several world sizes.
 
-The model has what trips data-parallel implementations up (CS336's DDP tests use the
-same): a frozen layer, an output layer tied to the embedding, and a bucket size that puts
-a layer's weight and bias in different buckets.
+The models have what trips data-parallel implementations up (CS336's DDP tests use the
+same): a frozen layer, an output layer tied to the embedding, a bucket size that puts a
+layer's weight and bias in different buckets, a branch that only some ranks take, a layer
+no rank uses, and AdamW's weight decay, which moves any parameter handed a gradient.
+Each launch runs ours and torch's side by side on the same ranks.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from labsupport import launch
+from labsupport.comm import traced
 from labsupport.parallel.data_parallel import (
     DistributedDataParallel,
     all_reduce_gradients,
+    compute_bucket_assignment_by_size,
     make_buckets,
 )
 
@@ -25,6 +32,7 @@ STEPS, BATCH = 3, 12  # 12 samples split evenly over 2, 3 or 4 ranks
 # float32 sums of at most a few hundred terms in another order: relative error
 # ~ terms x 2^-24 < 1e-5; parameters of order 1, so 1e-5 also bounds the absolute error.
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+WRAPPERS = {"ours": DistributedDataParallel, "torch": nn.parallel.DistributedDataParallel}
 
 
 class Tied(nn.Module):
@@ -46,6 +54,21 @@ class Tied(nn.Module):
         return self.out(h)
 
 
+class Branch(nn.Module):
+    """``a`` on every rank, ``b`` where asked (rank 0), ``never`` nowhere. With a 64-byte
+    cap the buckets are [never.bias], [b.bias, never.weight], [a.bias, b.weight],
+    [a.weight]: a rank that skips ``b`` has its last three buckets complete first."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.never = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_b: bool):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
 def data(step: int):
     g = torch.Generator().manual_seed(100 + step)
     return torch.randint(16, (BATCH, 5), generator=g), torch.randint(16, (BATCH, 5), generator=g)
@@ -55,31 +78,41 @@ def loss_of(model, idx, targets, **kw):
     return F.cross_entropy(model(idx, **kw).reshape(-1, 16), targets.reshape(-1))
 
 
-def train(wrap: str, bucket_cap_mb: float, use_all: bool = True):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = Tied(seed=rank)  # different on every rank: wrapping must broadcast rank 0's
-    if wrap == "ours":
-        ddp = DistributedDataParallel(
-            model, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=not use_all
-        )
-    elif wrap == "torch":
-        ddp = nn.parallel.DistributedDataParallel(
-            model, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=not use_all
-        )
-    else:  # naive: rank 0's weights by hand, all-reduce after backward
-        for p in model.parameters():
-            dist.broadcast(p.data, src=0)
-        ddp = model
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    for step in range(STEPS):
-        idx, targets = data(step)
-        opt.zero_grad()
-        loss_of(ddp, idx[shard], targets[shard], use_all=use_all).backward()
-        if wrap == "naive":
-            all_reduce_gradients(model)
-        opt.step()
+def grads_of(model: nn.Module) -> dict:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def params_of(model: nn.Module) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(bucket_cap_mb: float, use_all: bool = True) -> dict:
+    """On every rank: STEPS of SGD with momentum, wrapped by ours, by torch's, and by the
+    naive all-reduce; each starts from a different model on every rank (wrapping must
+    broadcast rank 0's)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for kind in ("ours", "torch", "naive"):
+        model = Tied(seed=rank)
+        if kind == "naive":
+            for p in model.parameters():
+                dist.broadcast(p.data, src=0)
+            ddp = model
+        else:
+            ddp = WRAPPERS[kind](
+                model, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=not use_all
+            )
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        for step in range(STEPS):
+            idx, targets = data(step)
+            opt.zero_grad()
+            loss_of(ddp, idx[shard], targets[shard], use_all=use_all).backward()
+            if kind == "naive":
+                all_reduce_gradients(model)
+            opt.step()
+        out[kind] = params_of(model)
+    return out
 
 
 def single_process(use_all: bool = True):
@@ -90,13 +123,16 @@ def single_process(use_all: bool = True):
         opt.zero_grad()
         loss_of(model, idx, targets, use_all=use_all).backward()
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params_of(model)
 
 
 def assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], **TOL, msg=name)
+        if a[name] is None or b[name] is None:
+            assert a[name] is None and b[name] is None, name
+        else:
+            torch.testing.assert_close(a[name], b[name], **TOL, msg=name)
 
 
 def bucket_cap_splitting_fc() -> float:
@@ -106,55 +142,243 @@ def bucket_cap_splitting_fc() -> float:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_bucketed_ddp_equals_torch_ddp_and_one_process(world_size):
-    cap = bucket_cap_splitting_fc()
-    ours = launch(train, world_size, args=("ours", cap), timeout=120)
-    theirs = launch(train, world_size, args=("torch", cap), timeout=120)
-    naive = launch(train, world_size, args=("naive", cap), timeout=120)
     reference = single_process()
-    for rank in range(world_size):
-        assert_same(ours[rank], theirs[rank])
-        assert_same(ours[rank], reference)
-        assert_same(naive[rank], reference)
-        assert torch.equal(ours[rank]["frozen.weight"], reference["frozen.weight"])
+    for result in launch(train, world_size, args=(bucket_cap_splitting_fc(),), timeout=120):
+        assert_same(result["ours"], result["torch"])
+        assert_same(result["ours"], reference)
+        assert_same(result["naive"], reference)
+        assert torch.equal(result["ours"]["frozen.weight"], reference["frozen.weight"])
 
 
-def test_buckets_go_in_reverse_order_and_never_split_a_parameter():
+def test_find_unused_parameters_trains_like_torch():
+    reference = single_process(use_all=False)
+    for result in launch(train, 2, args=(bucket_cap_splitting_fc(), False), timeout=120):
+        assert_same(result["ours"], result["torch"])
+        assert_same(result["ours"], reference)
+
+
+# --------------------------------------------------------------------------- unused
+
+
+def branch_taken_by_rank_zero(steps: int = STEPS) -> dict:
+    """On every rank, ours and torch's on :class:`Branch` (64-byte buckets): AdamW with
+    weight decay for ``steps`` steps; then one backward with stale gradients (every
+    ``.grad`` set to 10 x (rank + 1) first: a parameter this rank did not use sends its
+    stale gradient, as torch's reducer does); then a ``no_sync`` micro-batch where only
+    rank 1 uses ``b``, followed by one where nobody does."""
+    warnings.simplefilter("ignore")  # torch: "find_unused_parameters=True ... but did not find"
+    rank = dist.get_rank()
+    out = {}
+    for kind, wrapper in WRAPPERS.items():
+        model = Branch()
+        ddp = wrapper(model, bucket_cap_mb=64 / 2**20, find_unused_parameters=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        grads = []
+        with traced.trace_collectives() as trace:
+            for step in range(steps):
+                x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+                opt.zero_grad()
+                ddp(x, use_b=rank == 0).pow(2).sum().backward()
+                grads.append(grads_of(model))
+                opt.step()
+        params = params_of(model)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 10.0 * (rank + 1))
+        ddp(torch.ones(1, 4), use_b=rank == 0).sum().backward()
+        stale = grads_of(model)
+        model.zero_grad()
+        with ddp.no_sync():
+            ddp(torch.ones(1, 4), use_b=rank == 1).sum().backward()
+        ddp(torch.ones(1, 4), use_b=False).sum().backward()
+        accumulated = grads_of(model)
+        out[kind] = {"grads": grads, "params": params, "stale": stale, "no_sync": accumulated}
+        out[kind]["calls"] = trace.calls  # ours only: torch's calls torch.distributed itself
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_a_branch_on_one_rank_and_a_layer_never_used_match_torch(world_size):
+    """The issue's case: on the old code, a.weight's gradient came out wrong (ranks that
+    skip ``b`` posted their buckets in another order) or gloo aborted."""
+    results = launch(branch_taken_by_rank_zero, world_size, timeout=120)
+    initial = params_of(Branch())
+    for rank, result in enumerate(results):
+        ours, theirs = result["ours"], result["torch"]
+        for step in range(STEPS):
+            assert_same(ours["grads"][step], theirs["grads"][step])
+            assert ours["grads"][step]["never.weight"] is None  # no rank used it
+        assert_same(ours["params"], theirs["params"])
+        # no gradient, so AdamW's weight decay left it alone; b decayed and moved
+        assert torch.equal(ours["params"]["never.weight"], initial["never.weight"])
+        assert not torch.equal(ours["params"]["b.weight"], initial["b.weight"])
+        assert_same(ours["stale"], theirs["stale"])
+        assert ours["stale"]["never.bias"][0].item() == 10.0 * (rank + 1)  # untouched
+        assert_same(ours["no_sync"], theirs["no_sync"])
+        assert ours["no_sync"]["b.bias"] is not None  # used by rank 1 inside no_sync
+        # every rank posted the same collectives in the same order: the buckets in
+        # bucket order, then the map of which parameters were used
+        assert ours["calls"] == results[0]["ours"]["calls"]
+    sizes = [size for name, size, _ in results[0]["ours"]["calls"] if name == "all_reduce"]
+    assert sizes[:5] == [16, 80, 80, 64, 4 * 6]
+
+
+# --------------------------------------------------------------------------- buckets
+
+
+@pytest.mark.parametrize(
+    "limits", [[64], [100, 400], [1, 10**9], [0], [10**9]], ids=lambda x: str(x)
+)
+def test_bucket_assignment_is_torch_s(limits):
+    torch.manual_seed(0)
+    numels = torch.randint(1, 60, (40,)).tolist()
+    dtypes = [torch.float32, torch.float64, torch.float16]
+    tensors = [torch.zeros(n, dtype=dtypes[i % 5 % 3]) for i, n in enumerate(numels)]
+    want, _ = dist._compute_bucket_assignment_by_size(tensors, limits)
+    assert compute_bucket_assignment_by_size(tensors, limits) == want
+
+
+def test_buckets_close_at_the_cap_and_go_in_reverse():
     model = Tied()
     params = [p for p in model.parameters() if p.requires_grad]
     names = {id(p): n for n, p in model.named_parameters()}
-    buckets = make_buckets(params, 8 * 8 * 4)
-    layout = [[names[id(p)] for p in b.params] for b in buckets]
-    reverse = ["unused.bias", "unused.weight", "fc.bias", "fc.weight", "emb.weight"]
-    assert layout == [[name] for name in reverse]
+    layout = [[names[id(p)] for p in b.params] for b in make_buckets(params, 8 * 8 * 4)]
+    # emb.weight (512 B) alone, fc.weight (256 B) reaches the cap, fc.bias + unused.weight
+    # pass it, unused.bias is what is left: then reversed
+    want = [["unused.bias"], ["fc.bias", "unused.weight"], ["fc.weight"], ["emb.weight"]]
+    assert layout == want
     one = make_buckets(params, 2**20)
     assert len(one) == 1 and one[0].nbytes == sum(p.numel() * 4 for p in params)
+    first = make_buckets(params, 2**20, first_cap_bytes=100)  # torch's small first bucket
+    assert [[names[id(p)] for p in b.params] for b in first][-1] == ["emb.weight"]
 
 
-def accumulate(wrap: str):
+def bucket_layouts(caps: list) -> dict:
+    """On every rank, ours and torch's on the Tied model and the lab's GPT, for each cap:
+    every bucket's parameter names, as a communication hook sees them (torch's with
+    ``find_unused_parameters=True``, the buckets it keeps from its constructor)."""
+    from labsupport.models import GPT, GPTConfig
+
+    warnings.simplefilter("ignore")
+    gpt = {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 128}
+    out = {}
+    for name, make in (("tied", Tied), ("gpt", lambda: GPT(GPTConfig(**gpt)))):
+        for cap in caps:
+            for kind, wrapper in WRAPPERS.items():
+                model = make()
+                names = {id(p): n for n, p in model.named_parameters()}
+                ddp = wrapper(model, bucket_cap_mb=cap, find_unused_parameters=True)
+                seen = []
+
+                def record(state, bucket, seen=seen, names=names):
+                    seen.append((bucket.index(), [names[id(p)] for p in bucket.parameters()]))
+                    return default_hooks.allreduce_hook(state, bucket)
+
+                ddp.register_comm_hook(None, record)
+                output = ddp(torch.randint(16, (2, 5)))
+                (output if name == "tied" else output[0]).sum().backward()
+                out[(name, cap, kind)] = seen
+    return out
+
+
+def test_buckets_are_torch_s_for_the_same_caps():
+    caps = [None, 0.25, 64 / 2**20, 0]
+    layouts = launch(bucket_layouts, 2, args=(caps,), timeout=120)[0]
+    for model in ("tied", "gpt"):
+        for cap in caps:
+            ours, theirs = layouts[(model, cap, "ours")], layouts[(model, cap, "torch")]
+            assert ours == theirs, (model, cap)
+            assert [i for i, _ in ours] == list(range(len(ours)))  # launched in order
+    assert len(layouts[("gpt", None, "ours")]) == 2  # 25 MiB, and 1 MiB for the first
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def with_torch_s_hooks() -> dict:
+    """On every rank: one backward of ours and of torch's with each of torch's own
+    communication hooks registered; the gradients."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    idx, targets = data(0)
+    shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    out = {}
+    for hook in (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook):
+        for kind, wrapper in WRAPPERS.items():
+            model = Tied(seed=0)
+            ddp = wrapper(model, bucket_cap_mb=bucket_cap_splitting_fc())
+            ddp.register_comm_hook(None, hook)
+            loss_of(ddp, idx[shard], targets[shard]).backward()
+            out[(hook.__name__, kind)] = grads_of(model)
+    return out
+
+
+def test_torch_s_communication_hooks_run_on_ours():
+    for result in launch(with_torch_s_hooks, 3, timeout=120):
+        assert_same(result[("allreduce_hook", "ours")], result[("allreduce_hook", "torch")])
+        ours, theirs = (
+            result[("fp16_compress_hook", "ours")],
+            result[("fp16_compress_hook", "torch")],
+        )
+        for name, grad in ours.items():
+            torch.testing.assert_close(grad, theirs[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def launched_during_backward() -> list:
+    """The order of events in one backward of ours: each gradient ready (a hook the user
+    registers before wrapping runs before DDP's) and each bucket launched (a comm hook)."""
     model = Tied(seed=0)
-    ddp = (DistributedDataParallel if wrap == "ours" else nn.parallel.DistributedDataParallel)(
-        model, bucket_cap_mb=bucket_cap_splitting_fc()
-    )
+    events = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p, name=name: events.append(name))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_splitting_fc())
+
+    def launch_hook(state, bucket):
+        events.append(f"bucket {bucket.index()}")
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, launch_hook)
+    idx, targets = data(0)
+    loss_of(ddp, idx, targets).backward()
+    return events
+
+
+def test_buckets_are_launched_while_backward_runs():
+    events = launch(launched_during_backward, 2, timeout=60)[0]
+    buckets = [e for e in events if e.startswith("bucket")]
+    assert buckets == [f"bucket {i}" for i in range(4)]
+    # bucket 0 (unused.bias) goes before backward reaches fc and the embedding
+    assert events.index("bucket 0") < events.index("fc.weight") < events.index("emb.weight")
+
+
+# --------------------------------------------------------------------------- the rest
+
+
+def accumulate() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
     idx, targets = data(0)
     shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     half = (shard.stop - shard.start) // 2
     first = slice(shard.start, shard.start + half)
     second = slice(shard.start + half, shard.stop)
-    with ddp.no_sync():
-        (loss_of(ddp, idx[first], targets[first]) / 2).backward()
-    (loss_of(ddp, idx[second], targets[second]) / 2).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out = {}
+    for kind, wrapper in WRAPPERS.items():
+        model = Tied(seed=0)
+        ddp = wrapper(model, bucket_cap_mb=bucket_cap_splitting_fc())
+        with ddp.no_sync():
+            (loss_of(ddp, idx[first], targets[first]) / 2).backward()
+        (loss_of(ddp, idx[second], targets[second]) / 2).backward()
+        out[kind] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out
 
 
-@pytest.mark.parametrize("wrap", ["ours", "torch"])
-def test_no_sync_accumulation_equals_the_big_batch(wrap):
+def test_no_sync_accumulation_equals_the_big_batch():
     model = Tied(seed=0)
     idx, targets = data(0)
     loss_of(model, idx, targets).backward()
     want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    for got in launch(accumulate, 2, args=(wrap,), timeout=120):
-        assert_same(got, want)
+    for got in launch(accumulate, 2, timeout=120):
+        assert_same(got["ours"], want)
+        assert_same(got["torch"], want)
 
 
 def unused_without_flag():
@@ -171,11 +395,17 @@ def test_a_parameter_without_gradient_is_named_in_a_clear_error():
         launch(unused_without_flag, 2, timeout=120)
 
 
-def test_find_unused_parameters_trains_like_torch():
-    cap = bucket_cap_splitting_fc()
-    ours = launch(train, 2, args=("ours", cap, False), timeout=120)
-    theirs = launch(train, 2, args=("torch", cap, False), timeout=120)
-    reference = single_process(use_all=False)
-    for rank in range(2):
-        assert_same(ours[rank], theirs[rank])
-        assert_same(ours[rank], reference)
+def bucket_cap_none() -> tuple:
+    with traced.trace_collectives() as trace:
+        ddp = DistributedDataParallel(Tied(), bucket_cap_mb=None)
+    return len(ddp.buckets), ddp.buckets[0].nbytes, trace.count("broadcast"), trace
+
+
+def test_bucket_cap_none_is_torch_s_default_and_wrapping_broadcasts_through_traced():
+    buckets, nbytes, broadcasts, trace = launch(bucket_cap_none, 2, timeout=60)[0]
+    # the Tied model is smaller than the 1 MiB first bucket: one bucket
+    assert (buckets, nbytes) == (1, (16 * 8 + 8 * 8 + 8 + 8 * 8 + 8) * 4)
+    # rank 0's parameters, the frozen ones included, the tied one once; as a chain, every
+    # rank but the last sends each tensor once: (N - 1) / N of the bytes on average
+    assert broadcasts == 7
+    assert traced.bytes_per_rank(trace) == sum(p.numel() * 4 for p in Tied().parameters()) / 2

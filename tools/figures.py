@@ -15,11 +15,12 @@ import torch
 
 from labsupport import launch
 from labsupport.estimate.tensor_parallel import layer_costs
-from labsupport.labs import lab04_checkpointing, lab07_collectives, lab10_data_parallel
+from labsupport.labs import lab04_checkpointing, lab07_collectives
 from labsupport.labs.lab06_launching import global_rank
 from labsupport.labs.lab15_megatron import bloom_stack_figure
 from labsupport.models import MLPStack
 from labsupport.viz import clusters, collectives, dtypes, one_device, ranks, roofline, walls
+from labsupport.viz import data_parallel as dp_figures
 from labsupport.viz import parameter_server as ps_figures
 from labsupport.viz import pipeline as pipeline_figures
 from labsupport.viz import reliability as reliability_figures
@@ -88,7 +89,7 @@ FIGURES = {
     "16-failures.png": reliability_figures.failures_figure,
     "09-sync-async.png": ps_figures.sync_async_figure,
     "09-server-traffic.png": ps_figures.server_traffic_figure,
-    "10-overlap.png": lab10_data_parallel.overlap_figure,
+    "10-overlap.png": dp_figures.overlap_figure,
     "11-schedules.png": pipeline_figures.schedules_figure,
     "11-held.png": pipeline_figures.held_figure,
     "11-bubble.png": pipeline_figures.bubble_figure,

@@ -7,7 +7,8 @@ group, and the labs can hold the count against the chapter's formula. The calls 
 
 Bytes on the wire follow from the record with the ring's costs (each rank sends):
 all-reduce ``2 (N-1)/N · S``, all-gather and reduce-scatter ``(N-1)/N · S``, with ``S``
-the size of the full (gathered) tensor; :func:`bytes_per_rank`.
+the size of the full (gathered) tensor, and a broadcast sent down a chain ``(N-1)/N · S``
+on average (every rank but the last sends it once); :func:`bytes_per_rank`.
 """
 
 from __future__ import annotations
@@ -52,10 +53,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Combine ``tensor`` over the group (a sum by default), in place; returns it."""
+def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """Combine ``tensor`` over the group (a sum by default), in place; returns it, or with
+    ``async_op=True`` the work to ``wait()`` for, as ``dist.all_reduce`` does."""
     _record("all_reduce", _nbytes(tensor), group)
-    dist.all_reduce(tensor, op=op, group=group)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return work if async_op else tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """Copy global rank ``src``'s ``tensor`` into every rank's, in place; returns it."""
+    _record("broadcast", _nbytes(tensor), group)
+    dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 
@@ -90,5 +99,5 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 
 def bytes_per_rank(trace: Trace) -> float:
     """Bytes each rank sends for the traced collectives, run as rings."""
-    factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+    factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
     return sum(factor[name] * (n - 1) / n * size for name, size, n in trace.calls)

@@ -30,6 +30,7 @@ from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.measure.timing import side_by_side
 from labsupport.models import MLPStack, regression_data
+from labsupport.parallel.data_parallel import all_reduce_gradients
 
 #: fp32's unit roundoff: one rounding changes a value by at most this share of it.
 FP32_UNIT_ROUNDOFF = 2.0**-24
@@ -126,21 +127,13 @@ def train(model: nn.Module, x, y, steps: int = TRAIN_STEPS, lr: float = TRAIN_LR
     return losses
 
 
-def average_gradients(model: nn.Module) -> None:
-    """Sum each gradient over the ranks with ``all_reduce`` and divide by their number:
-    what ``DistributedDataParallel`` does after ``backward`` (chapter 10 adds buckets and
-    overlaps the sums with the backward pass)."""
-    world = dist.get_world_size()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= world
-
-
 def data_parallel_training(
     steps: int = TRAIN_STEPS, lr: float = TRAIN_LR, seed: int = 0, n: int = 64
 ) -> dict:
     """On every rank: :func:`train`, with this rank's shard of the batch and the gradients
-    averaged over the ranks before each step.
+    averaged over the ranks before each step by ``all_reduce_gradients``
+    (:mod:`labsupport.parallel.data_parallel`): what ``DistributedDataParallel`` does after
+    ``backward`` (chapter 10 adds buckets and overlaps the sums with the backward pass).
 
     Every rank starts from the same weights (same seed) and applies the same averaged
     gradient, so the ranks stay identical, step after step, and follow the run of one
@@ -160,7 +153,7 @@ def data_parallel_training(
         optimizer.zero_grad()
         loss = F.mse_loss(model(x), y)
         loss.backward()
-        average_gradients(model)
+        all_reduce_gradients(model)
         optimizer.step()
         losses.append(loss.detach())
     losses = torch.stack(losses)

@@ -1,7 +1,9 @@
 """Lab 10, data parallelism: the course GPT trained by the naive all-reduce, by the
 bucketed DDP of :mod:`labsupport.parallel.data_parallel` and by PyTorch's own; one step's
-timeline, its bytes counted, the bucket size swept against a model of overlap; and the
-exercises' checkers. The profiler and the sampler are in :mod:`labsupport.labs.lab10_tools`.
+timeline and its bytes counted, both through communication hooks (torch's
+``register_comm_hook``); the bucket size swept. The model of overlap is
+:mod:`labsupport.estimate.overlap`; the profiler, the sampler and the exercises' checkers
+are in :mod:`labsupport.labs.lab10_tools`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from labsupport.comm.allreduce import all_reduce, bytes_sent
 from labsupport.comm.p2p import count_traffic
@@ -88,23 +91,34 @@ def max_difference(a: dict, b: dict) -> float:
 # --------------------------------------------------------------------------- one step
 
 
-class TimedDDP(DistributedDataParallel):
-    """The bucketed DDP, which also records when each bucket's all-reduce *finished*
-    (a callback on its future, run by the communication thread), not only when the
-    end of backward waited for it."""
+def timed_allreduce(events: list, bucket):
+    """A communication hook (``ddp.register_comm_hook(events, timed_allreduce)``, for
+    ours or torch's DDP): torch's default all-reduce hook, with the time each bucket's
+    all-reduce started and finished appended to ``events`` (the finish by a callback on
+    its future, which the communication thread runs)."""
+    index = bucket.index()
+    events.append((f"all-reduce start bucket {index}", time.perf_counter()))
 
-    def _launch(self, bucket) -> None:
-        super()._launch(bucket)
-        index = bucket.index
+    def finished(fut):
+        events.append((f"all-reduce finished bucket {index}", time.perf_counter()))
+        return fut.value()
 
-        def finished(_):
-            self.events.append((f"all-reduce finished bucket {index}", time.perf_counter()))
+    return default_hooks.allreduce_hook(None, bucket).then(finished)
 
-        bucket.work.get_future().then(finished)
+
+def record_gradients(model: nn.Module, events: list) -> None:
+    """Append ``("grad NAME", time)`` to ``events`` as each gradient of ``model`` is
+    ready. Registered before the model is wrapped, these hooks run before DDP's."""
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(
+                lambda _, name=name: events.append((f"grad {name}", time.perf_counter()))
+            )
 
 
 def step_timeline(bucket_cap_mb: float = 0.25) -> list:
-    """On every rank: one warm-up step, then one timed step of :class:`TimedDDP`.
+    """On every rank: one warm-up step, then one timed step of the bucketed DDP, timed
+    by :func:`record_gradients` and :func:`timed_allreduce`.
 
     Returns this rank's events, ``(what, seconds since the step started)``, in order:
     ``forward``, ``backward``, every gradient ready, every bucket's all-reduce started
@@ -112,14 +126,16 @@ def step_timeline(bucket_cap_mb: float = 0.25) -> list:
     ``step`` (the optimizer step done). The steps start together, after a barrier.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_gpt().to(device())
-    ddp = TimedDDP(model, bucket_cap_mb=bucket_cap_mb)
+    model, events = make_gpt().to(device()), []
+    record_gradients(model, events)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    ddp.register_comm_hook(events, timed_allreduce)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     mine = slice(rank * BATCH, (rank + 1) * BATCH)
     for step in range(2):
         idx, targets = (t[mine].to(device()) for t in global_batch(step, world))
         dist.barrier()
-        ddp.events.clear()
+        events.clear()
         marks = [("forward", time.perf_counter())]
         optimizer.zero_grad()
         loss = ddp(idx, targets)[1]
@@ -129,46 +145,40 @@ def step_timeline(bucket_cap_mb: float = 0.25) -> list:
         optimizer.step()
         marks.append(("step", time.perf_counter()))
     start = marks[0][1]
-    events = sorted(marks + ddp.events, key=lambda e: e[1])
-    return [(what, t - start) for what, t in events]
+    return [(what, t - start) for what, t in sorted(marks + events, key=lambda e: e[1])]
 
 
 # --------------------------------------------------------------------------- bytes
 
 
-class _Done:
-    def wait(self) -> bool:
-        return True
-
-
-class CountedDDP(DistributedDataParallel):
-    """The bucketed DDP with each bucket summed by :mod:`labsupport.comm`'s ring
-    all-reduce instead of torch's, so that every byte it sends is counted (in ``sent``)."""
-
-    sent = 0
-
-    def _launch(self, bucket) -> None:
-        with count_traffic() as traffic:
-            all_reduce(bucket.buffer, group=self.group, algorithm="ring")
-        self.sent += traffic.bytes_sent
-        bucket.work = _Done()
+def counted_ring_allreduce(state: dict, bucket):
+    """A communication hook: each bucket averaged by :mod:`labsupport.comm`'s ring
+    all-reduce instead of torch's, every byte it sends counted in ``state["sent"]``;
+    synchronous, so the future it returns is already done."""
+    with count_traffic() as traffic:
+        all_reduce(bucket.buffer(), algorithm="ring")
+    state["sent"] += traffic.bytes_sent
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer().div_(dist.get_world_size()))
+    return done
 
 
 def bytes_per_step(bucket_cap_mb: float = 0.25) -> dict:
-    """On every rank: one step of :class:`CountedDDP`; the bytes this rank sent, the
-    ring's formula summed over the buckets, and the gradients' bytes."""
+    """On every rank: one step of the bucketed DDP with :func:`counted_ring_allreduce`;
+    the bytes this rank sent, the ring's formula summed over the buckets, and the
+    gradients' bytes."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_gpt().to(device())
-    ddp = CountedDDP(model, bucket_cap_mb=bucket_cap_mb)
+    ddp, counted = DistributedDataParallel(make_gpt().to(device()), bucket_cap_mb), {"sent": 0}
+    ddp.register_comm_hook(counted, counted_ring_allreduce)
     idx, targets = (
         t[rank * BATCH : (rank + 1) * BATCH].to(device()) for t in global_batch(0, world)
     )
     ddp(idx, targets)[1].backward()
-    numels = [b.buffer.numel() for b in ddp.buckets]
+    numels = [b.buffer().numel() for b in ddp.buckets]
     return {
         "rank": rank,
         "buckets": len(numels),
-        "counted": ddp.sent,
+        "counted": counted["sent"],
         "formula": sum(bytes_sent("ring", n, 4, world, rank) for n in numels),
         "gradient bytes": 4 * sum(numels),
     }
@@ -204,69 +214,3 @@ def bucket_sweep(caps_mb: list[float], rounds: int = 5) -> dict | None:
         fns[cap] = step_of(DistributedDataParallel(model, bucket_cap_mb=cap), model.parameters())
     result = side_by_side(fns, rounds=rounds, device=device(), min_sample_s=0)
     return result if rank == 0 else None
-
-
-def overlap_schedule(
-    bucket_bytes: list[int], forward_s: float, backward_s: float, a: float, b: float, overlap=True
-):
-    """When each bucket's all-reduce runs, in a model of one DDP step.
-
-    Backward produces the gradients at an even rate in bytes, last layer first, so a
-    bucket is ready when backward has produced every byte up to its end (with
-    ``overlap=False``, as in the naive version, every bucket waits for the end of
-    backward). The all-reduces run one after another, each taking ``a + b * bytes``
-    (the alpha-beta cost of one all-reduce, fitted on this machine or taken from a
-    datasheet). Returns ``(buckets, step)``: per bucket ``(ready, start, end)`` in
-    seconds since the step started, and the step's time, the later of the backward's
-    end and the last all-reduce's end.
-    """
-    total, done, free, out = sum(bucket_bytes), 0, 0.0, []
-    for nbytes in bucket_bytes:
-        done += nbytes
-        ready = forward_s + backward_s * (done / total if overlap else 1.0)
-        start = max(ready, free)
-        free = start + a + b * nbytes
-        out.append((ready, start, free))
-    return out, max(forward_s + backward_s, free)
-
-
-def overlap_figure():
-    """Chapter 10: one step of GPT-2 small on 64 GPUs, modelled (not measured): forward
-    5 ms and backward 10 ms (6·N·D FLOPs for 8,192 tokens per GPU at about 400 TFLOP/s),
-    float32 gradients all-reduced by a ring over 400 Gb/s links (50 GB/s), 50 µs of
-    latency per all-reduce; one all-reduce per parameter after backward, then buckets."""
-    from labsupport.models.gpt import GPT2_SMALL
-    from labsupport.parallel.data_parallel import make_buckets
-    from labsupport.viz.data_parallel import COMM, COMPUTE, draw_lanes
-    from labsupport.viz.style import rank_color
-
-    with torch.device("meta"):
-        params = [p for p in GPT(GPT2_SMALL).parameters() if p.requires_grad]
-    forward, backward, a, b = 5e-3, 10e-3, 50e-6, 2 * 63 / 64 / 50e9
-    cases = {
-        "naive: one all-reduce per parameter, after backward": (
-            [4 * p.numel() for p in reversed(params)],
-            False,
-        )
-    }
-    for cap in (25, 1):
-        cases[f"buckets of {cap} MiB, all-reduced during backward"] = (
-            [bk.nbytes for bk in make_buckets(params, cap * 2**20)],
-            True,
-        )
-    panels = {}
-    for title, (sizes, overlap) in cases.items():
-        buckets, step = overlap_schedule(sizes, forward, backward, a, b, overlap)
-        bars = [
-            (s * 1e3, e * 1e3, COMM if i % 2 == 0 else rank_color(4))
-            for i, (_, s, e) in enumerate(buckets)
-        ]
-        compute = [
-            (0, forward * 1e3, "#aaaaaa"),
-            (forward * 1e3, (forward + backward) * 1e3, COMPUTE),
-        ]
-        panels[f"{title}: {step * 1e3:.1f} ms"] = {
-            "forward, backward": compute,
-            f"{len(sizes)} all-reduces": bars,
-        }
-    return draw_lanes(panels)

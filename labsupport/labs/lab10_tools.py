@@ -166,33 +166,38 @@ def average_or_sum(op: str, lr: float, steps: int = 2) -> torch.Tensor:
 @exercise
 def check_buckets(fn) -> str:
     """Exercise 1: ``fn(numels, cap_bytes)`` must group float32 parameters of the given
-    sizes (in registration order) into buckets as DDP does: a list of buckets, each a
-    list of parameter indices, in the order their all-reduces start."""
+    sizes (in registration order) into buckets as DDP does (torch's rule): a list of
+    buckets, each a list of parameter indices, in the order their all-reduces start."""
     cases = [
+        ([5], 4),
         ([10, 20, 30], 400),
         ([100, 1, 100, 1], 404),
         ([50, 300, 50], 400),
         ([8] * 6, 64),
-        ([5], 4),
     ]
     for numels, cap in cases:
         params = [nn.Parameter(torch.zeros(n)) for n in numels]
         index = {id(p): i for i, p in enumerate(params)}
-        want = [[index[id(p)] for p in b.params] for b in make_buckets(params, cap)]
+        want = [sorted(index[id(p)] for p in b.params) for b in make_buckets(params, cap)]
         got = fn(list(numels), cap)
         if not (isinstance(got, list) and all(isinstance(b, list) for b in got)):
             raise AssertionError(
                 f"your function returned {got!r}: it should return a list of lists"
             )
-        if got == want:
+        if [sorted(b) for b in got] == want:
             continue
         where = f"sizes {numels} (float32), cap {cap} bytes: got {got}, want {want}"
         if any(not b for b in got):
             where += "; a bucket is never empty"
-        elif [i for b in got for i in b] == list(range(len(numels))):
-            where += "; backward produces the last layer's gradients first"
+        elif [sorted(b) for b in got] == want[::-1]:
+            where += "; backward produces the last layer's gradients first: reverse the buckets"
+        else:
+            where += (
+                "; fill the buckets in registration order, each until it reaches or passes "
+                "the cap (it may pass it), then reverse the list"
+            )
         raise AssertionError(where)
-    return "DDP's buckets: reverse order, filled up to the cap, a large parameter alone"
+    return "DDP's buckets: filled in registration order up to or past the cap, then reversed"
 
 
 def _flat_trial(fn, seed: int = 0):

@@ -1,35 +1,36 @@
 """Data parallelism from scratch: every rank holds the model, gradients are averaged.
 
-Two versions, as chapter 10 builds them:
+1. :func:`all_reduce_gradients`, the naive version: after ``backward()``, all-reduce
+   every gradient and divide by the world size; every rank takes the same step.
+2. :class:`DistributedDataParallel`, PyTorch's (Li et al. 2020, "PyTorch Distributed",
+   VLDB; ``torch/csrc/distributed/c10d/reducer.cpp``): gradients in buckets by torch's
+   rule, the last parameters in bucket 0; a hook per parameter copies its gradient into
+   its bucket; buckets are all-reduced asynchronously during backward, **strictly in
+   bucket order** on every rank (``Reducer::mark_bucket_ready``), then waited for and
+   their averages written to ``.grad``. Also as torch's: ``no_sync`` (decided in
+   forward), ``find_unused_parameters`` (a parameter no rank used keeps its ``.grad``),
+   ``register_comm_hook``, rank 0's state broadcast, tied weights once, frozen ones out.
 
-1. :func:`all_reduce_gradients`, the naive one: after ``backward()``, all-reduce every
-   gradient, one at a time, and divide by the world size. Every rank then takes the same
-   optimizer step, so the replicas stay identical.
-2. :class:`DistributedDataParallel`, the one ``torch.nn.parallel.DistributedDataParallel``
-   is (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
-   Training", VLDB): gradients grouped into *buckets* of about ``bucket_cap_mb``, in the
-   reverse order of registration (roughly the order backward produces them); a bucket is
-   all-reduced asynchronously as soon as its last gradient is ready
-   (``register_post_accumulate_grad_hook``), so communication overlaps the rest of the
-   backward pass; at the end of backward (an autograd engine callback, as torch's
-   ``Reducer::finalize_backward``) every bucket is waited for and its averages written to
-   ``.grad``. Also as torch's: parameters and buffers broadcast from rank 0 when the model
-   is wrapped, :meth:`~DistributedDataParallel.no_sync` for gradient accumulation,
-   ``find_unused_parameters`` for parameters that get no gradient in a step (without it,
-   a clear error names them), tied weights counted once, frozen parameters left out.
-
-Every event (a gradient ready, a bucket's all-reduce started and finished) is
-timestamped, for the lab's timeline.
+Where it differs: torch, unless ``find_unused_parameters=True``, uses one bucket in its
+first iteration, then rebuilds its buckets in the order gradients arrived; this one keeps
+the buckets torch builds with ``find_unused_parameters=True``. A parameter without a
+gradient (and without ``find_unused_parameters``) is named in an error at the end of
+backward (torch raises at the next forward). Collectives go through ``comm.traced``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from labsupport.comm import traced
+
+#: torch's defaults: ``bucket_cap_mb=None`` is 25 MiB with the first bucket (the first
+#: parameters registered) capped at 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``).
+DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES = 25, 2**20
 
 
 def all_reduce_gradients(model: nn.Module, group=None) -> None:
@@ -45,141 +46,254 @@ def broadcast_state(module: nn.Module, src: int = 0, group=None) -> None:
     """Copy rank ``src``'s parameters and buffers into every rank's ``module``."""
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t, src=src, group=group)
+            traced.broadcast(t, src, group)
+
+
+def compute_bucket_assignment_by_size(tensors: list, limits: list[int]) -> list[list[int]]:
+    """torch's ``compute_bucket_assignment_by_size``: the tensors' indices, in buckets.
+
+    The tensors go in the order given into one open bucket per (dtype, device), which
+    closes once its bytes **reach or pass** its limit (a tensor is never split): the first
+    bucket of a kind has ``limits[0]``, the next ``limits[1]``, the last limit repeating.
+    Buckets come sorted by their smallest index."""
+    done, open_, nth = [], {}, {}
+    for i, t in enumerate(tensors):
+        key = (t.dtype, t.device)
+        indices, size = open_.get(key, ([], 0))
+        indices.append(i)
+        open_[key] = (indices, size + t.numel() * t.element_size())
+        k = nth.setdefault(key, 0)
+        if open_[key][1] >= limits[k]:
+            done.append(open_.pop(key)[0])
+            nth[key] = min(k + 1, len(limits) - 1)
+    return sorted(done + [indices for indices, _ in open_.values()], key=min)
 
 
 class Bucket:
-    """Parameters whose gradients travel together, in one flat buffer."""
+    """Parameters whose gradients travel together, in one flat buffer.
 
-    def __init__(self, index: int, params: list[nn.Parameter]):
-        self.index = index
-        self.params = params
-        self.buffer = torch.zeros(
+    To a communication hook it is torch's ``GradBucket`` (:meth:`index`, :meth:`buffer`,
+    :meth:`parameters`, :meth:`is_last`); it runs its own state in picotron's shape
+    (``picotron/data_parallel/bucket.py``): :meth:`mark_param_as_ready` until every
+    gradient is in, :meth:`launch`, :meth:`wait`, :meth:`reset`.
+    """
+
+    def __init__(self, index: int, params: list[nn.Parameter], last: bool):
+        self._index, self.params, self._last = index, params, last
+        self.grad_data = torch.zeros(
             sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
         )
         self.slices, start = {}, 0
         for p in params:
             self.slices[id(p)] = slice(start, start + p.numel())
             start += p.numel()
-        self.pending: set[int] = set()
-        self.work = None
+        self.reset()
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self.grad_data
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.params)
+
+    def is_last(self) -> bool:
+        return self._last
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.grad_data.numel() * self.grad_data.element_size()
+
+    @property
+    def ready(self) -> bool:
+        return not self.pending
+
+    def reset(self) -> None:  # before a backward pass: every gradient pending
+        self.pending = {id(p) for p in self.params}
+        self.future = None
+
+    def mark_param_as_ready(self, p: nn.Parameter, scale: float) -> bool:
+        """Copy ``p.grad * scale`` into its place in the buffer (zeros if ``p`` has no
+        gradient; torch's ``mark_variable_ready_dense``); whether the bucket is complete."""
+        view = self.grad_data[self.slices[id(p)]]
+        if p.grad is None:
+            view.zero_()
+        else:
+            torch.mul(p.grad.reshape(-1), scale, out=view)
+        self.pending.discard(id(p))
+        return self.ready
+
+    def launch(self, hook, state) -> None:  # hook(state, self) returns a Future
+        self.future = hook(state, self)
+
+    def wait(self) -> torch.Tensor:  # the reduced flat gradients
+        result = self.future.wait()
+        return result[0] if isinstance(result, list) else result
 
 
-def make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[Bucket]:
-    """Fill buckets of at most ``cap_bytes`` with ``params`` in reverse order (the last
-    layer's gradients are ready first); a parameter larger than the cap gets a bucket of
-    its own, and a parameter is never split. Buckets hold one dtype and device each."""
-    buckets, current, size = [], [], 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        same_kind = not current or (p.dtype, p.device) == (current[0].dtype, current[0].device)
-        if current and (size + nbytes > cap_bytes or not same_kind):
-            buckets.append(Bucket(len(buckets), current))
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(Bucket(len(buckets), current))
-    return buckets
+def make_buckets(params: list, cap_bytes: int, first_cap_bytes: int | None = None) -> list:
+    """DDP's buckets for ``params`` (in registration order), as torch's constructor makes
+    them with ``find_unused_parameters=True``: assigned in registration order with the
+    limits ``[first_cap_bytes, cap_bytes]`` (``[cap_bytes]`` if no smaller first cap), then
+    reversed, so that the last parameters, whose gradients backward produces first, are
+    in bucket 0."""
+    first = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    limits = [first, cap_bytes] if first < cap_bytes else [cap_bytes]
+    groups = compute_bucket_assignment_by_size(params, limits)[::-1]
+    return [
+        Bucket(i, [params[j] for j in group], i == len(groups) - 1)
+        for i, group in enumerate(groups)
+    ]
+
+
+def _allreduce_by_sum(group, bucket: Bucket) -> torch.futures.Future:
+    """DDP without a hook (torch's ``_AllReduceBySumCommHook``): the gradients were
+    divided by the world size on their way into the bucket; sum them."""
+    return traced.all_reduce(bucket.buffer(), group, async_op=True).get_future()
+
+
+def _find_tensors(obj) -> list:
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _find_tensors(x)]
+    return [obj] if isinstance(obj, torch.Tensor) else []
+
+
+def reachable_leaves(outputs) -> set[int]:
+    """The ids of the leaf tensors that ``outputs``' autograd graph reaches (torch's
+    ``Reducer::search_unused_parameters``): their gradient accumulators are in the graph."""
+    stack = [t.grad_fn for t in _find_tensors(outputs) if t.grad_fn is not None]
+    seen, leaves = set(stack), set()
+    while stack:
+        for node, _ in stack.pop().next_functions:
+            if node is not None and node not in seen:
+                seen.add(node)
+                stack.append(node)
+                if hasattr(node, "variable"):  # an AccumulateGrad node
+                    leaves.add(id(node.variable))
+    return leaves
 
 
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` so that ``loss.backward()`` leaves gradients averaged over the ranks.
 
-    ``bucket_cap_mb`` is the bucket size in MiB (torch's default: 25). ``group`` is the
-    data-parallel process group (``None``: every rank). After construction every rank
-    holds rank 0's parameters and buffers.
+    ``bucket_cap_mb`` is the bucket size in MiB (``None``: torch's default, 25 MiB with a
+    first bucket of 1 MiB). ``group`` is the data-parallel process group (``None``: every
+    rank). After construction every rank holds rank 0's parameters and buffers.
     """
 
     def __init__(
-        self,
-        module: nn.Module,
-        bucket_cap_mb: float = 25,
-        group=None,
-        find_unused_parameters: bool = False,
+        self, module: nn.Module, bucket_cap_mb=None, group=None, find_unused_parameters=False
     ):
         super().__init__()
-        self.module = module
-        self.group = group
+        self.module, self.group = module, group
         self.world_size = dist.get_world_size(group)
         self.find_unused_parameters = find_unused_parameters
-        src = dist.get_global_rank(group, 0) if group is not None else 0
+        self.params = [p for p in module.parameters() if p.requires_grad]  # tied: once
+        if not self.params:
+            raise ValueError("DistributedDataParallel needs a parameter that requires grad")
+        src = 0 if group is None else dist.get_global_rank(group, 0)
         broadcast_state(module, src=src, group=group)
         self.names = {id(p): n for n, p in module.named_parameters()}
-        params = [p for p in module.parameters() if p.requires_grad]  # tied: once
-        self.buckets = make_buckets(params, int(bucket_cap_mb * 2**20))
+        self.position = {id(p): i for i, p in enumerate(self.params)}
+        cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        first = DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else None
+        self.buckets = make_buckets(self.params, int(cap * 2**20), first)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self.require_sync = True
-        self.in_backward = False
-        self.events: list[tuple[str, float]] = []  # (what, time.perf_counter())
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.require_backward_grad_sync = True
+        self.comm_hook, self.comm_state = _allreduce_by_sum, group
+        self.locally_used: set[int] = set()  # positions used since the last all-reduce
+        self._expect_hooks = self._started = False
+        self._next_bucket, self._unused = 0, []
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._autograd_hook)
+
+    def register_comm_hook(self, state, hook) -> None:
+        """torch's API: each bucket is reduced by ``hook(state, bucket)``, which returns a
+        ``torch.futures.Future`` of the bucket's reduced tensor; DDP then no longer
+        divides by the world size (the hook does). Once, before training."""
+        if self.comm_hook is not _allreduce_by_sum:
+            raise RuntimeError("register_comm_hook can only be called once")
+        self.comm_hook, self.comm_state = hook, state
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self._prepare_for_backward(output)
+        return output
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Inside, backward only accumulates local gradients (gradient accumulation); the
-        first backward after it averages everything accumulated."""
-        self.require_sync = False
+        """Inside, forward and backward only accumulate local gradients; the next forward
+        and backward outside it average everything accumulated."""
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:
-            self.require_sync = True
+            self.require_backward_grad_sync = old
 
     # ----------------------------------------------------------------------- backward
 
-    def _grad_ready(self, p: nn.Parameter) -> None:
-        if not self.require_sync:
+    def _prepare_for_backward(self, output) -> None:
+        self._expect_hooks, self._started, self._next_bucket = True, False, 0
+        for bucket in self.buckets:
+            bucket.reset()
+        if self.find_unused_parameters:
+            reached = reachable_leaves(output)
+            self._unused = [p for p in self.params if id(p) not in reached]
+
+    def _autograd_hook(self, p: nn.Parameter) -> None:
+        if self.find_unused_parameters:  # also inside no_sync, as torch's local_used_map
+            self.locally_used.add(self.position[id(p)])
+        if not self._expect_hooks:
             return
-        if not self.in_backward:  # the first gradient of this backward pass
-            self.in_backward = True
-            for bucket in self.buckets:
-                bucket.pending = {id(q) for q in bucket.params}
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-        bucket = self.bucket_of[id(p)]
-        bucket.buffer[bucket.slices[id(p)]].copy_(p.grad.reshape(-1))
-        bucket.pending.discard(id(p))
-        self.events.append((f"grad {self.names[id(p)]}", time.perf_counter()))
-        if not bucket.pending:
-            self._launch(bucket)
+        if not self._started:  # the first gradient of this backward pass
+            self._started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            for q in self._unused:
+                self._mark_ready(q)
+        self._mark_ready(p)
 
-    def _launch(self, bucket: Bucket) -> None:
-        self.events.append((f"all-reduce start bucket {bucket.index}", time.perf_counter()))
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+    def _mark_ready(self, p: nn.Parameter) -> None:
+        scale = 1 / self.world_size if self.comm_hook is _allreduce_by_sum else 1.0
+        if self.bucket_of[id(p)].mark_param_as_ready(p, scale):
+            self._launch_ready_buckets()
 
-    def _finalize(self) -> None:
-        """End of backward: launch what is left, wait for every bucket, write averages."""
-        self.in_backward = False
-        unused = [q for b in self.buckets for q in b.params if id(q) in b.pending]
-        if unused and not self.find_unused_parameters:
-            names = ", ".join(self.names[id(q)] for q in unused)
+    def _launch_ready_buckets(self) -> None:
+        """Buckets go strictly in order: launch the next one while it is complete."""
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].ready:
+            self.buckets[self._next_bucket].launch(self.comm_hook, self.comm_state)
+            self._next_bucket += 1
+        if self._next_bucket == len(self.buckets) and self.find_unused_parameters:
+            used = torch.zeros(len(self.params), dtype=torch.int32)
+            used[sorted(self.locally_used)] = 1  # then summed: how many ranks used each
+            self._used = used.to(self.params[0].device)
+            self._used_work = traced.all_reduce(self._used, self.group, async_op=True)
+
+    def _finalize_backward(self) -> None:
+        """End of backward: wait for every bucket, write the averages into ``.grad``."""
+        self._expect_hooks = False
+        missing = [p for b in self.buckets for p in b.params if id(p) in b.pending]
+        if missing and not self.find_unused_parameters:
+            names = ", ".join(self.names[id(q)] for q in missing)
             raise RuntimeError(
                 f"parameters got no gradient in this backward pass: {names}. Every rank "
                 "must all-reduce every bucket, so a bucket waiting for them would never be "
-                "sent. Pass find_unused_parameters=True (their gradient counts as zero), "
-                "or freeze them (requires_grad=False)."
+                "sent. Pass find_unused_parameters=True, or freeze them "
+                "(requires_grad=False)."
             )
+        for p in missing:  # reached by the graph but given no gradient: unused
+            self._mark_ready(p)
+        used = None
+        if self.find_unused_parameters:
+            self._used_work.wait()
+            used, self.locally_used = self._used.cpu(), set()
         for bucket in self.buckets:
-            if bucket.pending:  # unused parameters contribute zero
-                for q in bucket.params:
-                    if id(q) in bucket.pending:
-                        bucket.buffer[bucket.slices[id(q)]].zero_()
-                bucket.pending.clear()
-                self._launch(bucket)
-        for bucket in self.buckets:
-            bucket.work.wait()
-            self.events.append((f"all-reduce done bucket {bucket.index}", time.perf_counter()))
-            bucket.buffer /= self.world_size
-            for q in bucket.params:
-                view = bucket.buffer[bucket.slices[id(q)]].view_as(q)
-                if q.grad is None:
-                    q.grad = view.clone()
-                else:
-                    q.grad.copy_(view)
-            bucket.work = None
+            reduced = bucket.wait()
+            for p in bucket.params:
+                if used is not None and not used[self.position[id(p)]]:
+                    continue  # no rank used it: its .grad stays as it was
+                view = reduced[bucket.slices[id(p)]].view_as(p)
+                p.grad = view.clone() if p.grad is None else p.grad.copy_(view)

@@ -4,6 +4,11 @@ bucket size."""
 
 from __future__ import annotations
 
+import torch
+
+from labsupport.estimate.overlap import overlap_schedule
+from labsupport.models.gpt import GPT, GPT2_SMALL
+from labsupport.parallel.data_parallel import make_buckets
 from labsupport.viz.style import figure, rank_color, subplots
 
 COMPUTE, COMM, WAIT = "#555555", rank_color(0), "#bbbbbb"
@@ -81,3 +86,41 @@ def draw_bucket_sweep(caps_mb, measured_s, predicted_s, compute_s: float):
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def overlap_figure():
+    """Chapter 10: one step of GPT-2 small on 64 GPUs, modelled (not measured) by
+    :func:`~labsupport.estimate.overlap.overlap_schedule`: forward 5 ms and backward
+    10 ms (6·N·D FLOPs for 8,192 tokens per GPU at about 400 TFLOP/s), float32 gradients
+    all-reduced by a ring over 400 Gb/s links (50 GB/s), 50 µs of latency per
+    all-reduce; one all-reduce per parameter after backward, then buckets."""
+    with torch.device("meta"):
+        params = [p for p in GPT(GPT2_SMALL).parameters() if p.requires_grad]
+    forward, backward, a, b = 5e-3, 10e-3, 50e-6, 2 * 63 / 64 / 50e9
+    cases = {
+        "naive: one all-reduce per parameter, after backward": (
+            [4 * p.numel() for p in reversed(params)],
+            False,
+        )
+    }
+    for cap in (25, 1):
+        cases[f"buckets of {cap} MiB, all-reduced during backward"] = (
+            [bk.nbytes for bk in make_buckets(params, cap * 2**20)],
+            True,
+        )
+    panels = {}
+    for title, (sizes, overlap) in cases.items():
+        buckets, step = overlap_schedule(sizes, forward, backward, a, b, overlap)
+        bars = [
+            (s * 1e3, e * 1e3, COMM if i % 2 == 0 else rank_color(4))
+            for i, (_, s, e) in enumerate(buckets)
+        ]
+        compute = [
+            (0, forward * 1e3, "#aaaaaa"),
+            (forward * 1e3, (forward + backward) * 1e3, COMPUTE),
+        ]
+        panels[f"{title}: {step * 1e3:.1f} ms"] = {
+            "forward, backward": compute,
+            f"{len(sizes)} all-reduces": bars,
+        }
+    return draw_lanes(panels)
