@@ -98,7 +98,8 @@ def load(state: dict, path: str, group=None) -> None:
     :class:`CheckpointError` on every rank, with ``state`` left as it was."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path}: nothing was saved there")
-    reader = VerifyingReader(path, manifest(path))  # .metadata checked before DCP reads it
+    digests = manifest(path)  # .metadata checked before DCP reads it
+    reader = VerifyingReader(path, digests, dist.get_rank(group), dist.get_world_size(group))
     try:
         dcp.load(state, storage_reader=reader, process_group=group)
     except (Exception, CheckpointException) as exc:  # CheckpointException: a BaseException
