@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils._pytree import tree_leaves
 
 from labsupport import LaunchError, launch
@@ -236,3 +237,17 @@ def test_missing_and_corrupt_checkpoints_are_clear_errors(tmp_path):
     assert os.path.exists(corrupt / ".metadata")
     with pytest.raises(ck.CheckpointError, match="__0_0.distcp has changed .*; __1_0.distcp"):
         ck.verify(str(corrupt))  # in one process, every file
+
+
+def test_a_dcp_failure_is_described_by_its_exception_not_the_pair_that_carries_it():
+    """DCP's ``failures`` hold ``(exception, traceback)`` pairs: the old message read
+    ``tuple: (EOFError(), [...])``."""
+    failed = CheckpointException(
+        "read", {2: (EOFError(), None), 1: (RuntimeError("size mismatch\nat ..."), None)}
+    )
+    rank, cause = ck.first_failure(failed, rank=0)
+    assert rank == 1 and ck.describe(cause) == "RuntimeError: size mismatch"
+    _, cause = ck.first_failure(CheckpointException("read", {2: (EOFError(), None)}), rank=0)
+    assert ck.describe(cause) == "EOFError"  # no message: no colon, no IndexError
+    mine = ValueError("mine")
+    assert ck.first_failure(mine, rank=3) == (3, mine)  # not from DCP: this rank's own

@@ -94,7 +94,7 @@ def _own_copy(value):
 
 def load(state: dict, path: str, group=None) -> None:
     """Fill ``state``'s tensors in place from the checkpoint in ``path`` (every rank),
-    once the files it reads have matched their checksums; otherwise raise
+    once its files have matched their checksums; otherwise raise
     :class:`CheckpointError` on every rank, with ``state`` left as it was."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path}: nothing was saved there")
@@ -103,22 +103,28 @@ def load(state: dict, path: str, group=None) -> None:
     try:
         dcp.load(state, storage_reader=reader, process_group=group)
     except (Exception, CheckpointException) as exc:  # CheckpointException: a BaseException
-        rank, cause = _first_failure(exc)
+        rank, cause = first_failure(exc, dist.get_rank(group))
         if isinstance(cause, CheckpointError):  # a rank's files failed their checksums
             raise CheckpointError(str(cause)) from None
-        why = f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]}"
         raise CheckpointError(
             f"the checkpoint at {path} matches its checksums but cannot be loaded into this "
-            f"state (rank {rank}, {why}): check that the state has the keys and shapes "
-            "that were saved"
+            f"state (rank {rank}, {describe(cause)}): check that the state has the keys and "
+            "shapes that were saved"
         ) from None
 
 
-def _first_failure(exc: BaseException) -> tuple[int, BaseException]:
-    """The lowest failed rank and its exception: DCP raises a ``CheckpointException``
-    whose ``failures`` map each failed rank to an ``(exception, traceback)`` pair."""
-    failures = getattr(exc, "failures", None) or {dist.get_rank(): (exc, None)}
+def first_failure(exc: BaseException, rank: int) -> tuple[int, BaseException]:
+    """The lowest failed rank and its exception. DCP raises a ``CheckpointException``
+    whose ``failures`` map each failed rank to an ``(exception, traceback)`` pair; any
+    other exception is ``rank``'s own."""
+    failures = getattr(exc, "failures", None) or {rank: (exc, None)}
     return min(failures), failures[min(failures)][0]
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: the first line of its message``, or the type alone (``EOFError()``)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
 
 
 def rng_state(group=None) -> dict:

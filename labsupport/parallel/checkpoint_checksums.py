@@ -42,7 +42,8 @@ class CheckpointError(RuntimeError):
 def verify(path: str) -> None:
     """Check every file of the checkpoint at ``path`` against its :data:`MANIFEST`, in
     this process; raise :class:`CheckpointError` if it is incomplete or damaged."""
-    check(path, manifest(path))
+    digests = manifest(path)  # and .metadata checked
+    _check(path, {name: digest for name, digest in digests.items() if name != ".metadata"})
 
 
 def manifest(path: str) -> dict[str, str]:
@@ -62,7 +63,7 @@ def manifest(path: str) -> dict[str, str]:
         if entry is None:
             raise _damaged(path, f"{MANIFEST} has a line that is not 'checksum  file'")
         digests[entry[2]] = entry[1]
-    check(path, {".metadata": digests.get(".metadata")})
+    _check(path, {".metadata": digests.get(".metadata")})
     storage = FileSystemReader(path).read_metadata().storage_data
     unlisted = {info.relative_path for info in storage.values()} - digests.keys()
     if unlisted:
@@ -70,7 +71,7 @@ def manifest(path: str) -> dict[str, str]:
     return digests
 
 
-def check(path, expected: dict) -> None:
+def _check(path, expected: dict) -> None:
     """Raise :class:`CheckpointError` if a file of ``expected`` (name: SHA-256) is missing,
     has no checksum (``None``) or has changed since it was saved."""
     wrong = []
@@ -79,7 +80,7 @@ def check(path, expected: dict) -> None:
             wrong.append(f"{name} has no checksum in {MANIFEST}")
         elif not Path(path, name).is_file():
             wrong.append(f"{name} is missing")
-        elif sha256(Path(path, name)) != digest:
+        elif _sha256(Path(path, name)) != digest:
             wrong.append(
                 f"{name} has changed since it was saved: its SHA-256 is not the one in {MANIFEST}"
             )
@@ -95,7 +96,8 @@ def _damaged(path, what: str) -> CheckpointError:
     )
 
 
-def sha256(file) -> str:
+def _sha256(file) -> str:
+    """The SHA-256 of ``file``, as ``sha256sum`` prints it."""
     with open(file, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -122,7 +124,7 @@ class ChecksummedWriter(FileSystemWriter):
         for result in super().write_data(plan, planner).wait():
             name = result.storage_data.relative_path
             if name not in digests:  # each file once, right after it was written
-                digests[name] = sha256(Path(self.path, name))
+                digests[name] = _sha256(Path(self.path, name))
             hashed.append(
                 dataclasses.replace(
                     result, storage_data=_Hashed(result.storage_data, digests[name])
@@ -140,7 +142,7 @@ class ChecksummedWriter(FileSystemWriter):
             [dataclasses.replace(r, storage_data=r.storage_data.info) for r in rs] for rs in results
         ]
         super().finish(metadata, plain)  # writes .metadata, as DCP writes it
-        digests[".metadata"] = sha256(Path(self.path, ".metadata"))
+        digests[".metadata"] = _sha256(Path(self.path, ".metadata"))
         temporary = Path(self.path, f"{MANIFEST}.tmp")
         with open(temporary, "w") as f:
             f.writelines(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
@@ -161,5 +163,5 @@ class VerifyingReader(FileSystemReader):
 
     def prepare_local_plan(self, plan):
         files = sorted(name for name in self.digests if name != ".metadata")
-        check(self.path, {name: self.digests[name] for name in files[self.share]})
+        _check(self.path, {name: self.digests[name] for name in files[self.share]})
         return super().prepare_local_plan(plan)
