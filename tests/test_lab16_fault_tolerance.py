@@ -1,9 +1,10 @@
 """Lab 16, fault tolerance: a rank killed by SIGKILL and the run resumed exactly, each part
-of the checkpoint needed, partial and corrupt checkpoints refused clearly, an
-asynchronous checkpoint that holds the state it started from, a checkpoint of 4 ranks
-loaded on 2, and the exercises' checkers against the notebook's worked solutions and
-wrong answers. (The checkpoint module itself is in tests/test_parallel_checkpoint.py,
-the failure arithmetic in tests/test_estimate_reliability.py.)"""
+of the checkpoint needed, partial and damaged checkpoints refused clearly and passed over
+(a block zeroed in place, which DCP alone loads), an asynchronous checkpoint that holds
+the state it started from and its checksums, a checkpoint of 4 ranks loaded on 2, and the
+exercises' checkers against the notebook's worked solutions and wrong answers. (The
+checkpoint module itself is in tests/test_parallel_checkpoint.py, the failure arithmetic
+in tests/test_estimate_reliability.py.)"""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from notebook_solutions import solution, stub
 from labsupport import LaunchError, launch
 from labsupport.labs import lab16_fault_tolerance as lab
 from labsupport.labs import lab16_torchrun
+from labsupport.parallel import checkpoint as ck
 
 LAB = "16-fault-tolerance.ipynb"
 #: A short run: 6 steps on 2 ranks, a checkpoint every 2.
@@ -67,31 +69,45 @@ def test_first_difference():
     assert lab.first_difference([1.0, 2.0, 9.0, 9.0], [1.0, 2.0]) is None
 
 
-def test_latest_checkpoint_passes_over_partial_and_foreign_folders(tmp_path):
+def test_latest_checkpoint_passes_over_partial_damaged_and_foreign_folders(runs, tmp_path, capsys):
     assert lab.latest_checkpoint(str(tmp_path / "nothing")) is None
-    for name, complete in [("step00004", True), ("step00012", True), ("step00016", False)]:
-        (tmp_path / name).mkdir()
-        if complete:
-            (tmp_path / name / ".metadata").write_bytes(b"")
-    (tmp_path / "step00020.tmp").mkdir()
-    (tmp_path / "step00020.tmp" / ".metadata").write_bytes(b"")
-    assert lab.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step00012")
-    shutil.rmtree(tmp_path / "step00012")
-    shutil.rmtree(tmp_path / "step00004")
+    for step in (2, 4, 6):
+        shutil.copytree(runs["root"] / "straight" / f"step{step:05d}", tmp_path / f"step{step:05d}")
+    shutil.copytree(tmp_path / "step00006", tmp_path / "step00008.tmp")  # not a step folder
+    lab.zero_block(str(tmp_path / "step00006" / "__1_0.distcp"))  # damaged in place
+    (tmp_path / "step00004" / ck.MANIFEST).unlink()  # as if interrupted while written
+    assert lab.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step00002")
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith("passed over: the checkpoint at step00006 is damaged: __1_0.distcp")
+    assert said[1].startswith("passed over: the checkpoint at step00004 is incomplete")
+    assert len(said) == 2
+    shutil.rmtree(tmp_path / "step00002")
     assert lab.latest_checkpoint(str(tmp_path)) is None
 
 
-def test_partial_and_corrupt_checkpoints_are_refused_clearly(runs, tmp_path):
+def test_partial_and_damaged_checkpoints_are_refused_clearly(runs, tmp_path):
     good = runs["root"] / "straight" / "step00004"
-    partial, corrupt = tmp_path / "partial", tmp_path / "corrupt"
-    shutil.copytree(good, partial)
-    (partial / ".metadata").unlink()
-    shutil.copytree(good, corrupt)
+    partial, corrupt, zeroed = tmp_path / "partial", tmp_path / "corrupt", tmp_path / "zeroed"
+    for copy in (partial, corrupt, zeroed):
+        shutil.copytree(good, copy)
+    (partial / ck.MANIFEST).unlink()
     for data in Path(corrupt).glob("*.distcp"):
         data.write_bytes(b"not a checkpoint")
-    for path, message in [(partial, "incomplete"), (corrupt, "cannot be read")]:
+    lab.zero_block(str(zeroed / "__1_0.distcp"))
+    for path, message in [
+        (partial, "incomplete"),
+        (corrupt, "__0_0.distcp has changed since it was saved"),
+        (zeroed, "__1_0.distcp has changed since it was saved"),
+    ]:
         with pytest.raises(LaunchError, match=message):
             launch(lab.train, 2, args=(str(tmp_path),), kwargs={**SHORT, "resume_from": str(path)})
+    # what the checksums catch: DCP alone loads the zeroed block without a word
+    intact = launch(lab.gathered_state, 2, args=(str(good),))[0]
+    alone = launch(lab.gathered_state, 2, args=(str(zeroed),), kwargs={"verified": False})[0]
+    differ = {k: int((alone[k] != intact[k]).sum()) for k in intact}
+    assert differ["unit0.exp_avg"] >= 1000 and sum(differ.values()) == differ["unit0.exp_avg"]
+    changed = alone["unit0.exp_avg"] != intact["unit0.exp_avg"]
+    assert (alone["unit0.exp_avg"][changed] == 0).sum() >= 1000  # Adam's first moment: 0
 
 
 def test_an_async_checkpoint_holds_the_state_it_started_from(tmp_path):
@@ -99,7 +115,7 @@ def test_an_async_checkpoint_holds_the_state_it_started_from(tmp_path):
     for r in results:
         assert r["training_went_on"] and r["held_the_state"]
         assert r["async_written_s"] >= r["async_returned_s"] > 0
-    assert (tmp_path / "async" / ".metadata").exists()
+    ck.verify(str(tmp_path / "async"))  # hashed in the background, after the writes
 
 
 def test_a_checkpoint_of_4_ranks_loads_on_2_and_resumes(tmp_path):
@@ -156,16 +172,21 @@ def test_interval_checker_rejects_a_missing_factor_and_the_mtbf_itself():
         lab.check_checkpoint_interval(lambda c, m: None)
 
 
-def test_newest_checker_rejects_ignoring_metadata_and_comparing_names_as_text():
-    def newest_folder(root):
-        names = [n for n in os.listdir(root) if n.startswith("step")]
-        return os.path.join(root, max(names, key=lambda n: int(n[4:]))) if names else None
+def test_newest_checker_rejects_ignoring_checksums_and_comparing_names_as_text():
+    def newest_holding(file):
+        def newest(root):
+            names = [n for n in os.listdir(root) if os.path.exists(os.path.join(root, n, file))]
+            return os.path.join(root, max(names, key=lambda n: int(n[4:]))) if names else None
+
+        return newest
 
     def newest_by_text(root):
-        names = [n for n in os.listdir(root) if os.path.exists(os.path.join(root, n, ".metadata"))]
+        names = [n for n in os.listdir(root) if os.path.exists(os.path.join(root, n, ck.MANIFEST))]
         return os.path.join(root, max(names)) if names else None
 
-    with pytest.raises(AssertionError, match="complete without .metadata"):
-        lab.check_newest_complete(newest_folder)
+    for file in ("__0_0.distcp", ".metadata"):  # DCP writes .metadata before the checksums
+        with pytest.raises(AssertionError, match=f"complete without {ck.MANIFEST}"):
+            lab.check_newest_complete(newest_holding(file))
+    assert lab.check_newest_complete(newest_holding(ck.MANIFEST))
     with pytest.raises(AssertionError, match="step10"):
         lab.check_newest_complete(newest_by_text)

@@ -1,6 +1,7 @@
 """Lab 16, fault tolerance: a training run that checkpoints, a rank killed by SIGKILL,
 the resume that continues it exactly, torchrun restarting a job by itself, a checkpoint
-of 4 ranks loaded by 2, and asynchronous checkpoints.
+of 4 ranks loaded by 2, a damaged checkpoint refused and passed over, and asynchronous
+checkpoints.
 
 The run trains the course GPT, with dropout, data-parallel with the course's ZeRO-1
 (:mod:`labsupport.parallel.zero`) and Adam, a learning rate that warms up and decays,
@@ -8,7 +9,8 @@ and a data set read in a new order every epoch. Its checkpoints
 (:mod:`labsupport.parallel.checkpoint`) hold everything it needs to go on exactly: the
 parameters and Adam's states (sharded over the ranks), the step (from which the
 learning rate and the position in the data follow), every rank's random-number
-generator, and the losses so far.
+generator, and the losses so far; and the SHA-256 of each of its files, checked before
+it is loaded.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from labsupport.comm import traced
 from labsupport.estimate import reliability
@@ -75,13 +78,30 @@ def checkpoint_path(root: str, step: int) -> str:
 
 
 def latest_checkpoint(root: str) -> str | None:
-    """The newest complete checkpoint under ``root``; one that a failure interrupted
-    while it was written has no ``.metadata`` (DCP writes it last) and is passed over."""
+    """The newest checkpoint under ``root`` that is complete and intact. One that a
+    failure interrupted while it was written has no checksums (written last); one
+    damaged since has a file that no longer matches its checksum. Each is passed over,
+    with a line that says why."""
     if not os.path.isdir(root):
         return None
-    done = [d for d in os.listdir(root) if re.fullmatch(r"step\d+", d)]
-    done = [d for d in done if os.path.exists(os.path.join(root, d, ".metadata"))]
-    return os.path.join(root, max(done, key=lambda d: int(d[4:]))) if done else None
+    steps = [d for d in os.listdir(root) if re.fullmatch(r"step\d+", d)]
+    for name in sorted(steps, key=lambda d: int(d[4:]), reverse=True):
+        path = os.path.join(root, name)
+        try:
+            ck.verify(path)
+        except ck.CheckpointError as refused:
+            print(f"passed over: {str(refused).replace(path, name)}")
+        else:
+            return path
+    return None
+
+
+def zero_block(file: str, size: int = 4096) -> None:
+    """Overwrite ``size`` bytes in the middle of ``file`` with zeros, in place, as a
+    failing disk can: the file keeps its size."""
+    with open(file, "r+b") as f:
+        f.seek(os.path.getsize(file) // 2)
+        f.write(bytes(size))
 
 
 #: What :func:`train` can leave out of a resume, to see that each is needed.
@@ -157,12 +177,16 @@ def first_difference(losses: list, reference: list) -> int | None:
     return next((i for i, (a, b) in enumerate(pairs) if a != b), None)
 
 
-def gathered_state(path: str) -> dict:
+def gathered_state(path: str, verified: bool = True) -> dict:
     """Load the checkpoint at ``path`` on however many ranks run this, and put every
-    shard back together: the full parameters and Adam moments, as flat tensors."""
+    shard back together: the full parameters and Adam moments, as flat tensors.
+    ``verified=False``: load with DCP alone, which checks no checksum."""
     _, zero = new_run()
     state = training_state(zero, 0, [])
-    ck.load(state, path)
+    if verified:
+        ck.load(state, path)
+    else:
+        dcp.load(state, checkpoint_id=path)
     whole = {}
     for i, (_, unit) in enumerate(zero.units):
         numel, adam = unit.offsets[-1][1], zero.optimizer.state[unit.shard]
@@ -238,7 +262,9 @@ def check_checkpoint_interval(fn) -> str:
 
 @exercise
 def check_newest_complete(fn) -> str:
-    """Exercise 2: ``fn(root)`` must name the newest checkpoint that is complete."""
+    """Exercise 2: ``fn(root)`` must name the newest checkpoint that is complete: whose
+    folder holds the checksums (:data:`~labsupport.parallel.checkpoint.MANIFEST`), which
+    are written last."""
     import tempfile
 
     layouts = [
@@ -252,16 +278,16 @@ def check_newest_complete(fn) -> str:
         with tempfile.TemporaryDirectory() as root:
             for name, complete in folders.items():
                 os.makedirs(os.path.join(root, name))
-                open(os.path.join(root, name, "__0_0.distcp"), "w").close()
-                if complete:
-                    open(os.path.join(root, name, ".metadata"), "w").close()
+                written = [".metadata", "__0_0.distcp"] + ([ck.MANIFEST] if complete else [])
+                for file in written:
+                    open(os.path.join(root, name, file), "w").close()
             got = fn(root)
             got = os.path.basename(got) if got else got
         state = ", ".join(
-            f"{n} ({'complete' if c else 'no .metadata'})" for n, c in folders.items()
+            f"{n} ({'complete' if c else 'no ' + ck.MANIFEST})" for n, c in folders.items()
         )
         assert got == want, (
             f"checkpoints {state or 'none'}: got {got!r}, expected {want!r} (is a "
-            "checkpoint complete without .metadata? is step10 newer than step9?)"
+            f"checkpoint complete without {ck.MANIFEST}? is step10 newer than step9?)"
         )
     return "the newest complete checkpoint of five folders, or None"

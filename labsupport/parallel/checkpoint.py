@@ -1,4 +1,5 @@
-"""Checkpoints of distributed training: everything needed to resume exactly, sharded.
+"""Checkpoints of distributed training: everything needed to resume exactly, sharded,
+and checked before it is loaded.
 
 Written with ``torch.distributed.checkpoint`` (DCP): every rank writes its own part, in
 parallel, and a checkpoint written by ``N`` ranks can be loaded by ``M``. DCP's rule for
@@ -16,7 +17,9 @@ between ranks. So:
 A checkpoint holds the model, the optimizer's state, the step (from which the
 learning-rate schedule and the data position follow) and every rank's RNG states: resumed,
 the run continues as if it had never stopped. :func:`save_async` writes one in the
-background while training goes on.
+background while training goes on. Every checkpoint carries the SHA-256 of each of its
+files, and :func:`load` refuses one whose files do not match, before it changes anything
+(:mod:`~labsupport.parallel.checkpoint_checksums`).
 """
 
 from __future__ import annotations
@@ -32,16 +35,39 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map
 
 from labsupport.launch.runtime import device
+from labsupport.parallel.checkpoint_checksums import (
+    MANIFEST,
+    CheckpointError,
+    ChecksummedWriter,
+    VerifyingReader,
+    manifest,
+    verify,
+)
+
+__all__ = [
+    "MANIFEST",
+    "CheckpointError",
+    "verify",
+    "save",
+    "save_async",
+    "load",
+    "rng_state",
+    "set_rng_state",
+    "zero_state",
+    "restore_zero",
+]
 
 
 def save(state: dict, path: str, group=None) -> None:
-    """Write ``state`` (every rank calls it) to the folder ``path``."""
-    dcp.save(state, checkpoint_id=path, process_group=group)
+    """Write ``state`` (every rank calls it) to the folder ``path``, with the checksums
+    of its files (:data:`MANIFEST`)."""
+    dcp.save(state, storage_writer=ChecksummedWriter(path), process_group=group)
 
 
 def save_async(state: dict, path: str, group=None):
     """Start writing ``state`` to the folder ``path`` in a background thread (every rank
-    calls it) and return a future: ``.result()`` waits until the checkpoint is complete.
+    calls it) and return a future: ``.result()`` waits until the checkpoint is complete,
+    the checksums of its files included (hashed in the background thread too).
 
     ``state`` is copied before this returns, so training may go on and change it. The
     writer agrees on a plan with the other ranks, with collectives run from its thread:
@@ -53,7 +79,8 @@ def save_async(state: dict, path: str, group=None):
     storage of its own.) ``async_save`` also needs a group with a CPU backend: gloo, or
     ``"cpu:gloo,cuda:nccl"`` (the course's ``backend="auto"`` on GPUs).
     """
-    return dcp.async_save(tree_map(_own_copy, state), checkpoint_id=path, process_group=group)
+    state = tree_map(_own_copy, state)
+    return dcp.async_save(state, storage_writer=ChecksummedWriter(path), process_group=group)
 
 
 def _own_copy(value):
@@ -66,24 +93,38 @@ def _own_copy(value):
 
 
 def load(state: dict, path: str, group=None) -> None:
-    """Fill ``state``'s tensors in place from the checkpoint in ``path`` (every rank)."""
+    """Fill ``state``'s tensors in place from the checkpoint in ``path`` (every rank),
+    once its files have matched their checksums; otherwise raise
+    :class:`CheckpointError` on every rank, with ``state`` left as it was."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path}: nothing was saved there")
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        raise RuntimeError(
-            f"the checkpoint at {path} is incomplete (no .metadata): the run was probably "
-            "stopped while saving it; resume from the checkpoint before it"
-        )
+    digests = manifest(path)  # .metadata checked before DCP reads it
+    reader = VerifyingReader(path, digests, dist.get_rank(group), dist.get_world_size(group))
     try:
-        dcp.load(state, checkpoint_id=path, process_group=group)
+        dcp.load(state, storage_reader=reader, process_group=group)
     except (Exception, CheckpointException) as exc:  # CheckpointException: a BaseException
-        causes = getattr(exc, "failures", {0: exc})
-        first = next(iter(causes.values()))
-        why = f"{type(first).__name__}: {str(first).splitlines()[0][:200]}"
-        raise RuntimeError(
-            f"the checkpoint at {path} cannot be read ({why}): a file of it is damaged or "
-            "was written by another program; resume from another checkpoint"
+        rank, cause = first_failure(exc, dist.get_rank(group))
+        if isinstance(cause, CheckpointError):  # a rank's files failed their checksums
+            raise CheckpointError(str(cause)) from None
+        raise CheckpointError(
+            f"the checkpoint at {path} matches its checksums but cannot be loaded into this "
+            f"state (rank {rank}, {describe(cause)}): check that the state has the keys and "
+            "shapes that were saved"
         ) from None
+
+
+def first_failure(exc: BaseException, rank: int) -> tuple[int, BaseException]:
+    """The lowest failed rank and its exception. DCP raises a ``CheckpointException``
+    whose ``failures`` map each failed rank to an ``(exception, traceback)`` pair; any
+    other exception is ``rank``'s own."""
+    failures = getattr(exc, "failures", None) or {rank: (exc, None)}
+    return min(failures), failures[min(failures)][0]
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: the first line of its message``, or the type alone (``EOFError()``)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
 
 
 def rng_state(group=None) -> dict:
