@@ -1,57 +1,46 @@
 """ZeRO from scratch: data parallelism with the model states sharded over the ranks.
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models". With ``N`` data-parallel ranks:
-
-* **stage 1** shards the optimizer states: each rank's optimizer keeps its states (Adam's
-  momentum and variance) for ``1/N`` of the parameters. At the step the gradients are
-  reduce-scattered (each rank gets the average of its shard), each rank steps its shard,
-  and the updated shards are all-gathered: ``2Ψ`` elements through each rank's link, as
-  DDP's all-reduce.
-* **stage 2** also shards the gradients: as soon as the backward pass has finished a
-  unit (a transformer block, or the rest of the model), the unit's gradients are
-  reduce-scattered and freed, so a rank never holds all of them at once and keeps ``1/N``
-  between steps (DeepSpeed does the same with buckets of ``reduce_bucket_size`` elements).
-* **stage 3** also shards the parameters (as FSDP): each unit (a transformer block; the
-  rest of the model, embeddings and head, as the root) is all-gathered before its
-  forward, freed after, all-gathered again before its backward, and, once its backward is
-  over, its gradients are reduce-scattered and its weights freed: ``3Ψ`` elements.
-
-What a stage shards is decided once, as a :class:`Sharding` (torchtitan's ``simple_fsdp``
-turns its mode into a placement the same way); one code path follows it.
+Models". With ``N`` data-parallel ranks, **stage 1** shards the optimizer states: at the
+step the gradients are reduce-scattered (each rank gets the average of its shard), each
+rank steps its shard, and the new shards are all-gathered: ``2Ψ`` elements through each
+rank's link, as DDP's all-reduce. **Stage 2** also shards the gradients: once the
+backward pass has finished a unit (a transformer block, or the rest of the model, the
+root), the unit's gradients are reduce-scattered and freed. **Stage 3** also shards the
+parameters (as FSDP): a unit is all-gathered before its forward, freed after, gathered
+again for its backward and freed once its gradients are reduce-scattered: ``3Ψ``. What a
+stage shards is decided once, as a :class:`Sharding` (torchtitan's ``simple_fsdp`` turns
+its mode into a placement the same way), and one code path follows it.
 
 Parameters live in one flat buffer per unit (stage 1: one for the whole model), padded to
 a multiple of ``N`` and split evenly; the model's parameters are views into it, and the
-collectives move whole buffers. The optimizer, though, steps one *piece* per parameter:
-the part of that parameter that falls in this rank's shard (a view into the shard, empty
-where none of it does), as FSDP2 steps each parameter's shard. So every piece has its own
-``.grad`` and its own optimizer state (Adam's step count included), as every parameter has
-in one process, and torch's optimizer does exactly what it does there: a parameter that no
-rank used in this backward pass gets ``.grad = None`` and is skipped (its value, moments
-and step count stay); one used on some ranks gets the average over all ranks, the others
-counting zeros, as DDP gives. Which parameters got a gradient somewhere the ranks agree
-at the step with one all-reduce of a byte per parameter, as PyTorch's DDP all-reduces its
-``local_used_map_`` (``torch/csrc/distributed/c10d/reducer.hpp``). A piece gives the
-whole parameter's result only for optimizers that update every element from its own
-gradient and state (:data:`ELEMENTWISE`); others are refused.
+collectives move whole buffers. The optimizer steps one *piece* per parameter, the part
+of it in this rank's shard (a view, empty where none of it is), as FSDP2 steps each
+parameter's shard: so each piece has its own ``.grad`` and its own state (Adam's step
+count too), and torch's optimizer does what it does in one process. A parameter that no
+rank used gets ``.grad = None`` and is skipped; one some ranks used gets the average over
+all ranks, the others counting zeros, as DDP gives. The ranks agree which parameters got
+a gradient with one all-reduce of a byte per parameter, as DDP all-reduces its
+``local_used_map_`` (``torch/csrc/distributed/c10d/reducer.hpp``). This is exact for the
+optimizers that update each element from its own gradient and state (:data:`ELEMENTWISE`).
 
-Every rank must call the same collectives in the same order. Stages 2 and 3 reduce a unit
-when autograd has computed the gradient of the unit's inputs, which ends its backward
-(:class:`_AfterBackward`, FSDP2's ``RegisterPostBackwardFunction``): the same point of the
-graph on every rank, whichever parameters each rank used. The root, and a unit whose
-inputs need no gradient, are reduced at the end of the backward pass, in unit order.
-Stage 3 also needs every rank to run every unit's forward, as FSDP does. Collectives go
+Every rank calls the same collectives in the same order: stages 2 and 3 reduce a unit
+when autograd has finished its backward (:class:`_AfterBackward`), the same point of the
+graph on every rank whichever parameters each used; the root at the end of the backward
+pass. Stage 3 needs every rank to run every unit's forward, as FSDP does. Collectives go
 through :mod:`labsupport.comm.traced`, so the labs can count them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, NAdam, RAdam, RMSprop, Rprop
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from labsupport.comm import traced
@@ -69,18 +58,7 @@ STAGES = {1: Sharding(False, False), 2: Sharding(True, False), 3: Sharding(True,
 
 #: torch's optimizers that update every element from its own gradient and state alone, so
 #: stepping a piece of a parameter gives the same numbers as stepping all of it.
-ELEMENTWISE = (
-    torch.optim.SGD,
-    torch.optim.Adam,  # and AdamW, its subclass
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.RMSprop,
-    torch.optim.ASGD,
-    torch.optim.Rprop,
-)
+ELEMENTWISE = (SGD, Adam, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, ASGD, Rprop)
 
 
 class FlatUnit:
@@ -96,10 +74,8 @@ class FlatUnit:
         self.full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1) for p in self.params], out=self.full[: self.numel])
-        self.offsets, end = [], 0
-        for p in self.params:
-            self.offsets.append((end, end + p.numel()))
-            end += p.numel()
+        ends = itertools.accumulate(p.numel() for p in self.params)
+        self.offsets = [(b - p.numel(), b) for p, b in zip(self.params, ends, strict=True)]
         n = self.padded // self.world
         start = dist.get_rank(group) * n
         mine = self.full[start : start + n]
@@ -156,16 +132,16 @@ class ZeRO:
     parameter gets the same options (one parameter group).
     """
 
-    def __init__(self, model: nn.Module, stage: int, group=None, optimizer_class=None, **defaults):
+    def __init__(self, model: nn.Module, stage: int, group=None, optimizer_class=Adam, **defaults):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
-        optimizer_class = _elementwise(optimizer_class or torch.optim.Adam)
+        optimizer_class = _elementwise(optimizer_class)
         self.model, self.stage, self.group = model, stage, group
         self.sharding = shard = STAGES[stage]
         self.units, names = [], {id(p): n for n, p in model.named_parameters()}
-        for module in _units(model) if shard.gradients else [model]:
-            # a unit owns its trainable parameters that no unit before it owns (the root
-            # comes last: what remains; a tied weight goes to the first unit that uses it)
+        # stages 2 and 3's units: every transformer block, then the root, which owns what
+        # remains (embeddings, final LayerNorm, head); a tied weight goes to the first
+        for module in [*getattr(model, "h", []), model] if shard.gradients else [model]:
             owned = [(names.pop(id(p)), p) for p in module.parameters() if id(p) in names]
             owned = [(n, p) for n, p in owned if p.requires_grad]
             if owned:
@@ -180,12 +156,10 @@ class ZeRO:
                 unit.free()  # each rank keeps its shard
             if shard.gradients and module is not model:
                 module.register_forward_pre_hook(
-                    lambda _m, args, u=unit: _AfterBackward.wrap(args, lambda: self._done(u))
+                    lambda _m, args, u=unit: _AfterBackward.wrap(args, lambda: self._reduce(u))
                 )
         if shard.gradients:
             model.register_forward_hook(lambda _m, _i, out: _on_first_grad(out, self._begin))
-
-    # ---------------------------------------------------------------- hooks
 
     def _used(self, unit: FlatUnit, output) -> None:
         """Stage 3, after a unit's forward: free it, and gather it again as soon as the
@@ -199,13 +173,10 @@ class ZeRO:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _done(self, unit: FlatUnit) -> None:
-        """A unit's backward is over: nothing later in the pass needs its weights or its
-        full gradients."""
-        self._reduced.add(id(unit))
-        self._reduce(unit)
-
     def _reduce(self, unit: FlatUnit) -> None:
+        """Once a unit's backward is over (stage 1: at the step), nothing later needs its
+        full gradients (stage 3: nor its weights)."""
+        self._reduced.add(id(unit))
         unit.reduce_scatter_grads()
         if self.sharding.parameters:
             unit.free()
@@ -226,8 +197,6 @@ class ZeRO:
                 "Use stage 1, or keep a shared parameter in the model's root."
             )
 
-    # ---------------------------------------------------------------- step
-
     def step(self) -> None:
         """The optimizer on this rank's pieces, then (stages 1 and 2) all-gather the new
         parameters."""
@@ -246,6 +215,7 @@ class ZeRO:
                 unit.gather()
 
     def zero_grad(self) -> None:
+        self._reduced = set()
         for _, unit in self.units:
             unit.grad, unit.used = None, [False] * len(unit.params)
             for p in (*unit.params, *unit.pieces):
@@ -255,14 +225,13 @@ class ZeRO:
         """Bytes this rank holds now, measured from the tensors: parameters, gradients and
         optimizer states (their step counts apart)."""
         units = [unit for _, unit in self.units]
-        storages = {}  # a stage-1 or stage-2 shard is part of the full buffer: count it once
-        for t in (t for u in units for t in (u.full, u.shard)):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        # a stage-1 or stage-2 shard is part of the full buffer: each storage once
+        storages = {t.untyped_storage().data_ptr(): t for u in units for t in (u.full, u.shard)}
         grads = sum(p.grad.nbytes for u in units for p in u.params if p.grad is not None)
         grads += sum(u.grad.nbytes for u in units if u.grad is not None)
         states = [self.optimizer.state.get(piece, {}) for u in units for piece in u.pieces]
         return {
-            "parameters": sum(storages.values()),
+            "parameters": sum(t.untyped_storage().nbytes() for t in storages.values()),
             "gradients": grads,
             "optimizer states": sum(
                 t.nbytes for s in states for t in s.values() if torch.is_tensor(t) and t.dim()
@@ -327,10 +296,3 @@ def _elementwise(optimizer_class):
             "Adafactor; its matrix, as Muon) would compute something else."
         )
     return optimizer_class
-
-
-def _units(model: nn.Module) -> list[nn.Module]:
-    """Stages 2 and 3's units: every transformer block, then the model itself (the root:
-    what remains, e.g. embeddings, final LayerNorm and the head)."""
-    blocks = list(model.h) if hasattr(model, "h") else []
-    return [*blocks, model]
