@@ -16,13 +16,14 @@ from labsupport import launch
 from labsupport.labs import lab15_frameworks as lab
 from labsupport.labs import lab15_launcher as launcher
 from labsupport.labs import lab15_megatron as megatron
+from labsupport.parallel.deepspeed_setup import cpu_accelerator
 
 LAB = "15-frameworks.ipynb"
 
 
 @pytest.fixture(scope="module")
 def deepspeed_runner():
-    with launcher.cpu_accelerator():
+    with cpu_accelerator():
         from deepspeed.launcher import runner
     return runner
 
@@ -51,7 +52,7 @@ def test_config_batch_sizes_multiply_out(stage, offload, world):
 @pytest.mark.parametrize(("stage", "offload", "defaults"), [(r[1], r[2], r[3]) for r in lab.RUNS])
 def test_deepspeeds_parser_reads_the_config_as_the_lab_explains_it(stage, offload, defaults):
     """DeepSpeedConfig outside a process group counts one rank: the config for 1 rank."""
-    with launcher.cpu_accelerator():
+    with cpu_accelerator():
         from deepspeed.runtime.config import DeepSpeedConfig
 
     parsed = DeepSpeedConfig(lab.deepspeed_config(stage, offload, 1, defaults))
@@ -68,7 +69,7 @@ def test_deepspeeds_parser_reads_the_config_as_the_lab_explains_it(stage, offloa
 
 def test_deepspeed_config_stays_out_of_the_environment():
     before = os.environ.get("DS_ACCELERATOR")
-    with launcher.cpu_accelerator():
+    with cpu_accelerator():
         assert os.environ["DS_ACCELERATOR"] == "cpu"
     assert os.environ.get("DS_ACCELERATOR") == before
 

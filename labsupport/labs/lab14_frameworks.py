@@ -18,23 +18,15 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from labsupport.labs.lab14_zero import (
-    BATCH,
-    LR,
-    STAGES,
-    STEPS,
-    build,
-    cpu_params,
-    mean_over_ranks,
-    my_share,
-)
+from labsupport.comm.metrics import mean_over_ranks
+from labsupport.labs.lab14_zero import BATCH, LR, STAGES, STEPS, build, cpu_params, my_share
 from labsupport.launch.runtime import device
+from labsupport.parallel.deepspeed_setup import use_deepspeed_accelerator
 
 
 def train_fsdp2(steps: int = STEPS) -> dict:
@@ -83,16 +75,9 @@ def _tensors(tree):
             yield from _tensors(value)
 
 
-def use_deepspeed_accelerator() -> str:
-    """Tell DeepSpeed which accelerator to use (before it is imported): the device the
-    course's code computes on, this rank's GPU or the CPU."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device().type == "cuda" else "cpu")
-    return os.environ["DS_ACCELERATOR"]
-
-
 def _import_deepspeed():
-    """DeepSpeed, quietly: the accelerator of :func:`use_deepspeed_accelerator`, its log
-    muted."""
+    """DeepSpeed, quietly: the accelerator of :func:`~labsupport.parallel.deepspeed_setup.
+    use_deepspeed_accelerator`, its log muted."""
     use_deepspeed_accelerator()
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")

@@ -1,11 +1,9 @@
 """Lab 15, frameworks: DeepSpeed's JSON config and its engine on the course GPT, next to
 the course's own ZeRO (:mod:`labsupport.parallel.zero`), and the exercises' checkers.
 
-DeepSpeed picks its *accelerator* when it is first imported: CUDA where torch sees a
-GPU, the CPU otherwise; ``DS_ACCELERATOR`` chooses explicitly
-(``deepspeed/accelerator/real_accelerator.py``). Its CPU accelerator talks over oneCCL
-when ``oneccl_bindings_for_pytorch`` is installed and over gloo otherwise, which is the
-course's laptop setting. The launcher (``deepspeed``) is in
+DeepSpeed picks its *accelerator* when it is first imported
+(:mod:`labsupport.parallel.deepspeed_setup` chooses it); its CPU accelerator talks over
+gloo here, the course's laptop setting. The launcher (``deepspeed``) is in
 :mod:`labsupport.labs.lab15_launcher`, BLOOM's launch in
 :mod:`labsupport.labs.lab15_megatron`. DeepSpeed 0.19.8.
 """
@@ -22,13 +20,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from labsupport.comm.metrics import mean_over_ranks
 from labsupport.labs.cells import exercise
-from labsupport.labs.lab14_frameworks import use_deepspeed_accelerator
-from labsupport.labs.lab14_zero import mean_over_ranks
-from labsupport.labs.lab15_launcher import cpu_accelerator
 from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.models import random_tokens, tiny_gpt
+from labsupport.parallel.deepspeed_setup import cpu_accelerator, use_deepspeed_accelerator
 from labsupport.parallel.zero import ZeRO
 
 #: The run both frameworks train: the course GPT, 16 sequences of 32 tokens per step.

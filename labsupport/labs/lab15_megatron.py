@@ -185,20 +185,7 @@ PROVIDERS = ("Slurm", "PyTorch", "Megatron-LM", "DeepSpeed", "apex")
 
 def bloom_stack_figure(stack=BLOOM_STACK):
     """Chapter 15: the layers of one BLOOM-176B training process, coloured by the
-    project that provided each."""
-    from labsupport.viz.style import figure, rank_color
+    project that provided each (drawn by :func:`labsupport.viz.frameworks.stack_figure`)."""
+    from labsupport.viz.frameworks import stack_figure
 
-    colors = {name: rank_color(i) for i, name in enumerate(PROVIDERS)}
-    fig, ax = figure(9.0, 0.42 * len(stack) + 0.8)
-    for row, (_, provider, what) in enumerate(stack):
-        y = len(stack) - 1 - row
-        ax.barh(y, 1.0, left=0.0, height=0.82, color=colors[provider], alpha=0.85)
-        ax.text(0.015, y, provider, va="center", ha="left", fontsize=9, fontweight="bold")
-        ax.text(0.2, y, what, va="center", ha="left", fontsize=9)
-    ax.set_yticks(range(len(stack)), [layer for layer, _, _ in reversed(stack)])
-    ax.set_xlim(0, 1)
-    ax.set_xticks([])
-    ax.spines[["left", "bottom"]].set_visible(False)
-    ax.tick_params(axis="y", length=0)
-    ax.set_title("BLOOM-176B's training process: who provides what", loc="left")
-    return fig
+    return stack_figure(stack, PROVIDERS, "BLOOM-176B's training process: who provides what")

@@ -155,30 +155,44 @@ def _sharded(flat_shard: torch.Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
 
 
 def zero_state(zero, group=None) -> dict:
-    """The ZeRO model and optimizer states as DTensors over the data-parallel ranks
-    (views of the shards: loading into them restores the shards in place)."""
-    mesh, state = _mesh(group), {}
+    """The ZeRO parameters and Adam (or AdamW) states as DTensors over the data-parallel
+    ranks: loading into them restores them in place.
+
+    A unit's parameters are its flat shard. Its optimizer states are one tensor per
+    parameter's piece (:mod:`labsupport.parallel.zero`), so they are first moved into one
+    flat buffer per unit and state, and the pieces' states become views into it, which
+    Adam goes on updating in place; a piece Adam has not stepped yet gets the state it
+    would start from (zeros, step 0). The step counts, one per parameter, are the same on
+    every rank: a plain tensor, which DCP keeps once."""
+    if not isinstance(zero.optimizer, torch.optim.Adam):
+        raise TypeError(
+            f"zero_state saves Adam's and AdamW's states, not {type(zero.optimizer).__name__}'s;"
+            " train with ZeRO(..., optimizer_class=torch.optim.Adam or torch.optim.AdamW)"
+        )
+    mesh, state, options = _mesh(group), {}, zero.optimizer.defaults
+    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if options["amsgrad"] else [])
+    on_device = options["capturable"] or options["fused"]  # Adam keeps its step there then
     for i, (_, unit) in enumerate(zero.units):
-        numel = unit.offsets[-1][1]
-        adam = zero.optimizer.state[unit.shard]
-        if not adam:  # Adam creates its state at the first step; make it to load into it
-            adam.update(
-                step=torch.zeros(()),
-                exp_avg=torch.zeros_like(unit.shard),
-                exp_avg_sq=torch.zeros_like(unit.shard),
-            )
+        flat = {key: torch.zeros_like(unit.shard) for key in keys}
+        steps = torch.zeros(len(unit.pieces), device=unit.shard.device if on_device else "cpu")
+        for j, (piece, (lo, hi)) in enumerate(zip(unit.pieces, unit.slices, strict=True)):
+            adam = zero.optimizer.state[piece]
+            if adam:
+                steps[j] = adam["step"]
+                for key in keys:
+                    flat[key][lo:hi] = adam[key]
+            adam.update({key: flat[key][lo:hi] for key in keys}, step=steps[j])
         state[f"unit{i}"] = {
-            "parameters": _sharded(unit.shard.data, numel, mesh),
-            "exp_avg": _sharded(adam["exp_avg"], numel, mesh),
-            "exp_avg_sq": _sharded(adam["exp_avg_sq"], numel, mesh),
-            "adam_step": adam["step"],
+            "parameters": _sharded(unit.shard, unit.numel, mesh),
+            **{key: _sharded(flat[key], unit.numel, mesh) for key in keys},
+            "steps": steps,
         }
     return state
 
 
 def restore_zero(zero) -> None:
     """After :func:`load` into :func:`zero_state`'s tensors: rebuild the full parameters
-    (stages 1 and 2 keep them; stage 3 gathers before each use anyway)."""
-    if zero.stage < 3:
+    where the stage keeps them (stages 1 and 2; stage 3 gathers before each use)."""
+    if not zero.sharding.parameters:
         for _, unit in zero.units:
             unit.gather()

@@ -1,61 +1,92 @@
 """ZeRO from scratch: data parallelism with the model states sharded over the ranks.
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models". With ``N`` data-parallel ranks and Adam:
+Models". With ``N`` data-parallel ranks, **stage 1** shards the optimizer states: at the
+step the gradients are reduce-scattered (each rank gets the average of its shard), each
+rank steps its shard, and the new shards are all-gathered: ``2Ψ`` elements through each
+rank's link, as DDP's all-reduce. **Stage 2** also shards the gradients: once the
+backward pass has finished a unit (a transformer block, or the rest of the model, the
+root), the unit's gradients are reduce-scattered and freed. **Stage 3** also shards the
+parameters (as FSDP): a unit is all-gathered before its forward, freed after, gathered
+again for its backward and freed once its gradients are reduce-scattered: ``3Ψ``. What a
+stage shards is decided once, as a :class:`Sharding` (torchtitan's ``simple_fsdp`` turns
+its mode into a placement the same way), and one code path follows it.
 
-* **stage 1** shards the optimizer states: each rank's Adam keeps momentum and variance
-  for ``1/N`` of the parameters. After backward the gradients are reduce-scattered (each
-  rank gets the average of its shard), each rank steps its shard, and the updated
-  shards are all-gathered: ``2Ψ`` elements through each rank's link, as DDP's all-reduce.
-* **stage 2** also shards the gradients: as soon as the backward pass has produced
-  every gradient of a unit (a transformer block, or the rest of the model), the unit's
-  gradients are reduce-scattered and freed, so a rank never holds all of them at once
-  and keeps ``1/N`` between steps (DeepSpeed does the same with buckets of
-  ``reduce_bucket_size`` elements).
-* **stage 3** also shards the parameters (as FSDP): each unit (a transformer block; the
-  rest of the model, embeddings and head, as the root) is all-gathered before its
-  forward, freed after, all-gathered again before its backward, and, once its
-  gradients are complete, reduce-scattered and freed: ``3Ψ`` elements.
+Parameters live in one flat buffer per unit (stage 1: one for the whole model), padded to
+a multiple of ``N`` and split evenly; the model's parameters are views into it, and the
+collectives move whole buffers. The optimizer steps one *piece* per parameter, the part
+of it in this rank's shard (a view, empty where none of it is), as FSDP2 steps each
+parameter's shard: so each piece has its own ``.grad`` and its own state (Adam's step
+count too), and torch's optimizer does what it does in one process. A parameter that no
+rank used gets ``.grad = None`` and is skipped; one some ranks used gets the average over
+all ranks, the others counting zeros, as DDP gives. The ranks agree which parameters got
+a gradient with one all-reduce of a byte per parameter, as DDP all-reduces its
+``local_used_map_`` (``torch/csrc/distributed/c10d/reducer.hpp``). This is exact for the
+optimizers that update each element from its own gradient and state (:data:`ELEMENTWISE`).
 
-Parameters live in one flat fp32 buffer per unit (stage 1: one for the whole model),
-padded to a multiple of ``N`` and split evenly; the model's parameters are views into
-it, and this rank's shard of it is the parameter torch's ``Adam`` updates (the same
-arithmetic as single-process Adam).
-Collectives go through :mod:`labsupport.comm.traced`, so the labs can count them.
+Every rank calls the same collectives in the same order: stages 2 and 3 reduce a unit
+when autograd has finished its backward (:class:`_AfterBackward`), the same point of the
+graph on every rank whichever parameters each used; the root at the end of the backward
+pass. Stage 3 needs every rank to run every unit's forward, as FSDP does. Collectives go
+through :mod:`labsupport.comm.traced`, so the labs can count them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, NAdam, RAdam, RMSprop, Rprop
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from labsupport.comm import traced
 
 
-class FlatUnit:
-    """The parameters of one module as one flat buffer, padded and split over ranks."""
+@dataclass(frozen=True)
+class Sharding:
+    """What a stage shards besides the optimizer states, which every stage shards."""
 
-    def __init__(self, params: list[nn.Parameter], names: list[str], group, sharded: bool):
-        self.params, self.names, self.group = params, names, group
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        numel = sum(p.numel() for p in params)
-        self.padded = math.ceil(numel / self.world) * self.world
-        self.full = torch.zeros(self.padded, dtype=params[0].dtype, device=params[0].device)
+    gradients: bool  # each unit reduce-scattered as its backward ends, only the shard kept
+    parameters: bool  # each unit's weights freed after use and all-gathered before
+
+
+STAGES = {1: Sharding(False, False), 2: Sharding(True, False), 3: Sharding(True, True)}
+
+#: torch's optimizers that update every element from its own gradient and state alone, so
+#: stepping a piece of a parameter gives the same numbers as stepping all of it.
+ELEMENTWISE = (SGD, Adam, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, ASGD, Rprop)
+
+
+class FlatUnit:
+    """The parameters of one module in one flat buffer, padded to a multiple of the ranks
+    and split evenly: this rank's shard of it, and each parameter's piece of that shard."""
+
+    def __init__(self, named: list, group, own_shard: bool):
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.group, self.world = group, dist.get_world_size(group)
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded = math.ceil(self.numel / self.world) * self.world
+        first = self.params[0]
+        self.full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
         with torch.no_grad():
-            torch.cat([p.detach().reshape(-1) for p in params], out=self.full[:numel])
-        self.offsets, start = [], 0
-        for p in params:
-            self.offsets.append((start, start + p.numel()))
-            start += p.numel()
+            torch.cat([p.detach().reshape(-1) for p in self.params], out=self.full[: self.numel])
+        ends = itertools.accumulate(p.numel() for p in self.params)
+        self.offsets = [(b - p.numel(), b) for p, b in zip(self.params, ends, strict=True)]
         n = self.padded // self.world
-        mine = self.full[self.rank * n : (self.rank + 1) * n]
+        start = dist.get_rank(group) * n
+        mine = self.full[start : start + n]
         # stages 1-2: the shard is a slice of the full buffer, which stays; stage 3: a
         # tensor of its own, and the full buffer is freed between uses
-        self.shard = nn.Parameter(mine.clone() if sharded else mine)
+        self.shard = mine.clone() if own_shard else mine
+        self.slices = [tuple(min(max(x - start, 0), n) for x in ab) for ab in self.offsets]
+        self.pieces = [nn.Parameter(self.shard[lo:hi]) for lo, hi in self.slices]
+        self.grad = None  # this rank's shard of the average gradient
+        self.used = [False] * len(self.params)  # which parameters got a gradient here
+        self.views(self.full)
 
     def views(self, source: torch.Tensor) -> None:
         """Make every parameter a view into ``source``, a full-size flat tensor."""
@@ -70,153 +101,198 @@ class FlatUnit:
         self.full.copy_(traced.all_gather(self.shard.detach().clone(), 0, self.group))
         self.views(self.full)
 
-    def flat_grad(self) -> torch.Tensor:
-        grad = torch.zeros(self.padded, dtype=self.full.dtype, device=self.full.device)
-        for p, (a, b) in zip(self.params, self.offsets, strict=True):
-            if p.grad is not None:
-                grad[a:b] = p.grad.reshape(-1)
-        return grad
+    def free(self) -> None:
+        """Give back the full buffer's memory; the parameters' views point at nothing."""
+        self.full.untyped_storage().resize_(0)
 
     def reduce_scatter_grads(self) -> None:
-        """This rank's shard of the average gradient, in ``shard.grad``; the full ones go."""
-        grad = traced.reduce_scatter(self.flat_grad(), 0, self.group) / self.world
-        self.shard.grad = grad if self.shard.grad is None else self.shard.grad + grad
-        for p in self.params:
-            p.grad = None
+        """Add this rank's shard of the average gradient to ``self.grad`` (a parameter
+        without a gradient here counts zeros); note which had one; the full ones go."""
+        flat = torch.zeros(self.padded, dtype=self.full.dtype, device=self.full.device)
+        for i, (p, (a, b)) in enumerate(zip(self.params, self.offsets, strict=True)):
+            if p.grad is not None:
+                flat[a:b] = p.grad.reshape(-1)
+                self.used[i], p.grad = True, None
+        grad = traced.reduce_scatter(flat, 0, self.group) / self.world
+        self.grad = grad if self.grad is None else self.grad + grad
+
+    def set_piece_grads(self, used: list) -> None:
+        """Each piece's gradient: its part of ``self.grad``, or None where no rank used it."""
+        for piece, (lo, hi), u in zip(self.pieces, self.slices, used, strict=True):
+            piece.grad = self.grad[lo:hi] if u else None
 
 
 class ZeRO:
-    """Train ``model`` data-parallel with ZeRO ``stage`` (1, 2 or 3) and Adam.
+    """Train ``model`` data-parallel with ZeRO ``stage`` (1, 2 or 3).
 
-    Use as ``loss.backward(); zero.step(); zero.zero_grad()``. Every rank must build
-    the same model (same seed). ``adam`` holds keyword arguments for ``torch.optim.Adam``.
+    Use as ``loss.backward(); zero.step(); zero.zero_grad()``. Every rank must build the
+    same model (same seed). The optimizer is given as torch's ``ZeroRedundancyOptimizer``
+    takes it, a class and its keyword arguments, ``ZeRO(model, 2,
+    optimizer_class=torch.optim.AdamW, lr=1e-3, weight_decay=0.1)``; Adam by default. Every
+    parameter gets the same options (one parameter group).
     """
 
-    def __init__(self, model: nn.Module, stage: int, group=None, **adam):
-        if stage not in (1, 2, 3):
+    def __init__(self, model: nn.Module, stage: int, group=None, optimizer_class=Adam, **defaults):
+        if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
+        optimizer_class = _elementwise(optimizer_class)
         self.model, self.stage, self.group = model, stage, group
-        modules = _units(model) if stage >= 2 else [model]
-        self.units = []
-        for module in modules:
-            owned = [(n, p) for n, p in _direct_params(module, model, stage) if p.requires_grad]
+        self.sharding = shard = STAGES[stage]
+        self.units, names = [], {id(p): n for n, p in model.named_parameters()}
+        # stages 2 and 3's units: every transformer block, then the root, which owns what
+        # remains (embeddings, final LayerNorm, head); a tied weight goes to the first
+        for module in [*getattr(model, "h", []), model] if shard.gradients else [model]:
+            owned = [(names.pop(id(p)), p) for p in module.parameters() if id(p) in names]
+            owned = [(n, p) for n, p in owned if p.requires_grad]
             if owned:
-                unit = FlatUnit([p for _, p in owned], [n for n, _ in owned], group, stage == 3)
-                unit.views(unit.full)
-                self.units.append((module, unit))
-        self.optimizer = torch.optim.Adam([u.shard for _, u in self.units], **adam)
-        if stage >= 2:
-            for _, unit in self.units:
-                for p in unit.params:
-                    p.register_post_accumulate_grad_hook(lambda _p, u=unit: self._grad_ready(u))
-            self._waiting = {}  # unit -> parameters whose gradient has not arrived yet
-        if stage == 3:
-            for module, unit in self.units:
-                self._hook(module, unit)
-            for _, unit in self.units:
-                unit.full.untyped_storage().resize_(0)  # free: each rank keeps its shard
+                self.units.append((module, FlatUnit(owned, group, shard.parameters)))
+        pieces = [piece for _, unit in self.units for piece in unit.pieces]
+        self.optimizer = optimizer_class(pieces, **defaults)
+        self._reduced, self._queued = set(), False  # this backward pass's reductions
+        for module, unit in self.units:
+            if shard.parameters:
+                module.register_forward_pre_hook(lambda *_, u=unit: u.gather())
+                module.register_forward_hook(lambda _m, _i, out, u=unit: self._used(u, out))
+                unit.free()  # each rank keeps its shard
+            if shard.gradients and module is not model:
+                module.register_forward_pre_hook(
+                    lambda _m, args, u=unit: _AfterBackward.wrap(args, lambda: self._reduce(u))
+                )
+        if shard.gradients:
+            model.register_forward_hook(lambda _m, _i, out: _on_first_grad(out, self._begin))
 
-    # ---------------------------------------------------------------- stage 3: units
+    def _used(self, unit: FlatUnit, output) -> None:
+        """Stage 3, after a unit's forward: free it, and gather it again as soon as the
+        backward pass reaches its outputs, before autograd runs its backward."""
+        unit.free()
+        _on_first_grad(output, unit.gather)
 
-    def _hook(self, module: nn.Module, unit: FlatUnit) -> None:
-        """Gather a unit before its forward, free it after, gather it before its backward;
-        its last gradient frees it again (:meth:`_grad_ready`)."""
-        module.register_forward_pre_hook(lambda *_: unit.gather())
-        module.register_forward_hook(lambda _m, _i, output: _free_until_backward(unit, output))
-
-    # ---------------------------------------------------------------- backward
-
-    def _grad_ready(self, unit: FlatUnit) -> None:
-        """Stages 2 and 3: when the last gradient of ``unit`` has been accumulated, no
-        later part of the backward pass needs its weights or its full gradients."""
-        if not self._waiting:  # the first gradient of this backward pass
-            self._waiting = {id(u): len(u.params) for _, u in self.units}
+    def _begin(self) -> None:
+        """The backward pass reached the model's outputs: reduce what is left at its end."""
+        if not self._queued:
+            self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._waiting[id(unit)] -= 1
-        if self._waiting[id(unit)] == 0:
-            self._reduce(unit)
 
     def _reduce(self, unit: FlatUnit) -> None:
-        """Reduce-scatter the unit's gradients, keep only this rank's shard, and
-        (stage 3) free its gathered weights."""
+        """Once a unit's backward is over (stage 1: at the step), nothing later needs its
+        full gradients (stage 3: nor its weights)."""
+        self._reduced.add(id(unit))
         unit.reduce_scatter_grads()
-        if self.stage == 3:
-            _free(unit)
+        if self.sharding.parameters:
+            unit.free()
 
     def _end_of_backward(self) -> None:
-        """Units some of whose parameters got no gradient in this backward pass are
-        reduced now, in the same order on every rank."""
-        for _, unit in self.units:
-            if self._waiting[id(unit)] > 0:
+        """Reduce the units not reduced yet (the root at least), in the same order on every
+        rank; refuse a gradient that came after its unit had been reduced."""
+        units = [unit for _, unit in self.units]
+        for unit in units:
+            if id(unit) not in self._reduced:
                 self._reduce(unit)
-        self._waiting = {}
+        self._reduced, self._queued = set(), False
+        late = [u.names[i] for u in units for i, p in enumerate(u.params) if p.grad is not None]
+        if late:
+            raise RuntimeError(
+                f"ZeRO: {late} got a gradient after their unit's backward had ended: a "
+                "parameter used outside the module that owns it (tied across two blocks?). "
+                "Use stage 1, or keep a shared parameter in the model's root."
+            )
 
     def step(self) -> None:
-        """Adam on this rank's shards, then (stages 1 and 2) all-gather the new parameters."""
-        if self.stage == 1:
+        """The optimizer on this rank's pieces, then (stages 1 and 2) all-gather the new
+        parameters."""
+        if not self.sharding.gradients:  # stage 1 reduce-scatters the whole model here
             for _, unit in self.units:
-                unit.reduce_scatter_grads()
+                self._reduce(unit)
+        units = [unit for _, unit in self.units]
+        flags = [used for unit in units for used in unit.used]
+        flags = torch.tensor(flags, dtype=torch.uint8, device=units[0].full.device)
+        agreed = iter(traced.all_reduce(flags, self.group, op=dist.ReduceOp.MAX).tolist())
+        for unit in units:
+            unit.set_piece_grads([next(agreed) for _ in unit.pieces])
         self.optimizer.step()
-        if self.stage < 3:
-            for _, unit in self.units:
+        if not self.sharding.parameters:
+            for unit in units:
                 unit.gather()
 
     def zero_grad(self) -> None:
+        self._reduced = set()
         for _, unit in self.units:
-            unit.shard.grad = None
-            for p in unit.params:
+            unit.grad, unit.used = None, [False] * len(unit.params)
+            for p in (*unit.params, *unit.pieces):
                 p.grad = None
 
     def state_bytes(self) -> dict:
         """Bytes this rank holds now, measured from the tensors: parameters, gradients and
-        optimizer states (Adam's step counters apart)."""
-        params = sum(u.full.untyped_storage().nbytes() for _, u in self.units)
-        if self.stage == 3:
-            params = sum(u.shard.nbytes for _, u in self.units)
-        grads = sum(p.grad.nbytes for _, u in self.units for p in u.params if p.grad is not None)
-        grads += sum(u.shard.grad.nbytes for _, u in self.units if u.shard.grad is not None)
-        states = [self.optimizer.state[u.shard] for _, u in self.units]
-        moments = [s[k] for s in states for k in ("exp_avg", "exp_avg_sq") if k in s]
+        optimizer states (their step counts apart)."""
+        units = [unit for _, unit in self.units]
+        # a stage-1 or stage-2 shard is part of the full buffer: each storage once
+        storages = {t.untyped_storage().data_ptr(): t for u in units for t in (u.full, u.shard)}
+        grads = sum(p.grad.nbytes for u in units for p in u.params if p.grad is not None)
+        grads += sum(u.grad.nbytes for u in units if u.grad is not None)
+        states = [self.optimizer.state.get(piece, {}) for u in units for piece in u.pieces]
         return {
-            "parameters": params,
+            "parameters": sum(t.untyped_storage().nbytes() for t in storages.values()),
             "gradients": grads,
-            "optimizer states": sum(m.nbytes for m in moments),
+            "optimizer states": sum(
+                t.nbytes for s in states for t in s.values() if torch.is_tensor(t) and t.dim()
+            ),
         }
 
 
-def _free_until_backward(unit: FlatUnit, output) -> None:
-    """Free the unit after its forward; gather it again when the first gradient of its
-    outputs arrives, before autograd runs its backward."""
-    _free(unit)
-    gathered = []
+class _AfterBackward(torch.autograd.Function):
+    """The identity on a unit's inputs; its backward runs once autograd has computed
+    their gradients, that is once the unit's backward is over (FSDP2's
+    ``RegisterPostBackwardFunction``, ``torch/distributed/fsdp/_fully_shard/
+    _fsdp_param_group.py``: autograd runs a parameter's gradient accumulation as soon as
+    it can, before any other ready node)."""
 
-    def regather(grad):
-        if not gathered:
-            gathered.append(True)
-            unit.gather()
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+    @staticmethod
+    def wrap(args, callback):
+        """A forward pre-hook: the unit's inputs that need a gradient, through this."""
+        flat, spec = tree_flatten(args)
+        where = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if not where or not torch.is_grad_enabled():
+            return None
+        through = _AfterBackward.apply(callback, *(flat[i] for i in where))
+        for i, t in zip(where, through, strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+
+def _on_first_grad(output, fn) -> None:
+    """Call ``fn`` once, when the backward pass reaches the first of ``output``'s tensors."""
+    called = []
+
+    def hook(grad):
+        if not called:
+            called.append(True)
+            fn()
         return grad
 
     for t in tree_flatten(output)[0]:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(regather)
+        if torch.is_tensor(t) and t.requires_grad:
+            t.register_hook(hook)
 
 
-def _free(unit: FlatUnit) -> None:
-    """Give back the full buffer's memory; the parameters' views point at nothing."""
-    unit.full.untyped_storage().resize_(0)
-
-
-def _units(model: nn.Module) -> list[nn.Module]:
-    """Stage 3's units: every transformer block, then the model itself (the root: what
-    remains, e.g. embeddings, final LayerNorm and the head)."""
-    blocks = list(model.h) if hasattr(model, "h") else []
-    return [*blocks, model]
-
-
-def _direct_params(module: nn.Module, model: nn.Module, stage: int):
-    """The parameters a unit owns: all of them at stage 1 (one unit); for the root at
-    stages 2 and 3, those no block owns (a tied weight once)."""
-    if stage < 2 or module is not model:
-        return list(module.named_parameters())
-    inside = {id(p) for b in _units(model)[:-1] for p in b.parameters()}
-    return [(n, p) for n, p in model.named_parameters() if id(p) not in inside]
+def _elementwise(optimizer_class):
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE)
+        raise TypeError(
+            f"ZeRO takes an optimizer class and its options, e.g. optimizer_class="
+            f"torch.optim.AdamW, lr=1e-3; got {optimizer_class!r}. Each rank steps flat "
+            "pieces of the parameters, which gives the whole parameter's result only for an "
+            f"optimizer that updates every element from that element alone: {names}. One "
+            "that reads a whole tensor (its norm, as LAMB; its rows and columns, as "
+            "Adafactor; its matrix, as Muon) would compute something else."
+        )
+    return optimizer_class
