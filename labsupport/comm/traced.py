@@ -22,12 +22,20 @@ import torch.distributed as dist
 
 @dataclass(eq=False)
 class Trace:
-    """The collectives called while tracing: ``(name, full tensor bytes, group size)``."""
+    """The collectives called while tracing: ``(name, full tensor bytes, group size)``,
+    and beside each call the global ranks of its group (``groups``), so that calls on
+    different groups of the same size (a mesh's axes) can be told apart."""
 
     calls: list = field(default_factory=list)
+    groups: list = field(default_factory=list)
 
     def count(self, name: str) -> int:
         return sum(1 for n, _, _ in self.calls if n == name)
+
+    def on(self, ranks) -> Trace:
+        """The calls made on the group of these global ranks (in any order)."""
+        keep = [i for i, g in enumerate(self.groups) if g == tuple(sorted(ranks))]
+        return Trace([self.calls[i] for i in keep], [self.groups[i] for i in keep])
 
 
 _traces: list[Trace] = []
@@ -45,8 +53,12 @@ def trace_collectives():
 
 
 def _record(name: str, nbytes: int, group) -> None:
+    if not _traces:
+        return
+    ranks = tuple(sorted(dist.get_process_group_ranks(group or dist.group.WORLD)))
     for trace in _traces:
-        trace.calls.append((name, nbytes, dist.get_world_size(group)))
+        trace.calls.append((name, nbytes, len(ranks)))
+        trace.groups.append(ranks)
 
 
 def _nbytes(t: torch.Tensor) -> int:

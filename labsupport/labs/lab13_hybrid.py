@@ -36,8 +36,9 @@ ORDERS = {"Megatron-LM (default)": "tp-dp-pp", "Llama 3": "tp-pp-dp"}
 
 def train_3d_counted(dp=DP, tp=TP, pp=PP, microbatches=MICROBATCHES, steps=STEPS):
     """:func:`labsupport.parallel.hybrid.train_3d` on this rank, which prints its
-    coordinates and groups, with its traffic counted per axis: the all-reduces are
-    tensor parallelism's, the reduce-scatters and all-gathers ZeRO-1's on the data axis,
+    coordinates and groups, with its traffic counted per axis: the collectives on its
+    tensor-parallel group (all-reduces) and on its data-parallel group (ZeRO-1's
+    reduce-scatter, all-gather and the all-reduce of which parameters got a gradient),
     the point-to-point messages the pipeline's. Returns ``train_3d``'s result and the
     bytes this rank sent per step on each axis."""
     with traced.trace_collectives() as trace, p2p.count_traffic() as messages:
@@ -47,11 +48,7 @@ def train_3d_counted(dp=DP, tp=TP, pp=PP, microbatches=MICROBATCHES, steps=STEPS
         f"tp={c['tp']} dp={c['dp']} pp={c['pp']}: "
         f"TP group {g['tp']}, DP group {g['dp']}, PP group {g['pp']}"
     )
-    by_axis = {"tp": ("all_reduce",), "dp": ("reduce_scatter", "all_gather")}
-    traffic = {
-        axis: traced.bytes_per_rank(traced.Trace([x for x in trace.calls if x[0] in names])) / steps
-        for axis, names in by_axis.items()
-    }
+    traffic = {axis: traced.bytes_per_rank(trace.on(g[axis])) / steps for axis in ("tp", "dp")}
     traffic["pp"] = messages.bytes_sent / steps
     return out | {"traffic": traffic}
 
@@ -72,6 +69,14 @@ def stage_numel(tp: int, pp: int, stage: int, config=CONFIG) -> int:
     return numel
 
 
+def stage_tensors(pp: int, stage: int, config=CONFIG) -> int:
+    """Parameter tensors of pipeline ``stage``: 12 per block (two LayerNorms and four
+    linear layers, a weight and a bias each), the first stage's two embeddings, the last
+    stage's final LayerNorm (2) and its output layer (1)."""
+    layers = len(partition(config["n_layer"], pp)[stage])
+    return 12 * layers + (2 if stage == 0 else 0) + (3 if stage == pp - 1 else 0)
+
+
 def expected_traffic(coords: dict, dp=DP, tp=TP, pp=PP, microbatches=MICROBATCHES) -> dict:
     """Bytes a rank sends per step on each axis, from the formulas (fp32, rings)."""
     stage, first, last = coords["pp"], coords["pp"] == 0, coords["pp"] == pp - 1
@@ -83,9 +88,12 @@ def expected_traffic(coords: dict, dp=DP, tp=TP, pp=PP, microbatches=MICROBATCHE
     reduced = 4 * layers * x + (x if first else 0)
     reduced += (x + 3 * micro * CONFIG["block_size"] * 4) if last else 0
     padded = math.ceil(stage_numel(tp, pp, stage) / dp) * dp
+    # ZeRO-1: reduce-scatter + all-gather of the fp32 parameters, and the all-reduce of
+    # one byte per parameter tensor saying whether it got a gradient on some rank
+    zero = 2 * padded * 4 + 2 * stage_tensors(pp, stage)
     return {
         "tp": microbatches * reduced * 2 * (tp - 1) / tp,
-        "dp": 2 * padded * 4 * (dp - 1) / dp,  # reduce-scatter + all-gather
+        "dp": zero * (dp - 1) / dp,
         "pp": microbatches * x * ((not last) + (not first)) if pp > 1 else 0,
     }
 

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from labsupport.comm import traced
 from labsupport.estimate import reliability
 from labsupport.labs.cells import exercise
 from labsupport.launch.runtime import device
@@ -117,8 +116,7 @@ def resume(zero: ZeRO, path: str, leave_out=()) -> tuple[int, list]:
     ck.restore_zero(zero)
     ck.set_rng_state(state["rng"])
     if "optimizer states" in leave_out:
-        for _, unit in zero.units:
-            zero.optimizer.state[unit.shard] = {}  # Adam starts again: no moments, step 0
+        zero.optimizer.state.clear()  # Adam starts again: no moments, step 0
     if "RNG states" in leave_out:
         torch.manual_seed(1000 + dist.get_rank())
     step = 0 if "step" in leave_out else state["step"]
@@ -187,12 +185,12 @@ def gathered_state(path: str, verified: bool = True) -> dict:
         ck.load(state, path)
     else:
         dcp.load(state, checkpoint_id=path)
-    whole = {}
-    for i, (_, unit) in enumerate(zero.units):
-        numel, adam = unit.offsets[-1][1], zero.optimizer.state[unit.shard]
-        for name, shard in (("parameters", unit.shard), ("exp_avg", adam["exp_avg"])):
-            whole[f"unit{i}.{name}"] = traced.all_gather(shard.detach(), 0)[:numel].cpu()
-        whole[f"unit{i}.exp_avg_sq"] = traced.all_gather(adam["exp_avg_sq"], 0)[:numel].cpu()
+    keys = ("parameters", "exp_avg", "exp_avg_sq")
+    whole = {
+        f"{unit}.{key}": parts[key].full_tensor().cpu()
+        for unit, parts in state["zero"].items()
+        for key in keys
+    }
     return whole
 
 
