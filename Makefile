@@ -7,6 +7,7 @@
 #   make execute  re-execute the labs in place, storing their outputs
 #   make figures  regenerate the chapters' figures from labsupport
 #   make bench    benchmarks, printed as tables with ratios
+#   make gpu-check  the CUDA/NCCL path, on a machine with a GPU
 
 PYTHON ?= python3
 # Where torch comes from. Empty: PyPI (a CUDA build on Linux, several GB). On a machine
@@ -19,7 +20,8 @@ STAMP := $(VENV)/.installed
 LABS := $(wildcard labs/*.ipynb)
 MATHJAX := _build/_vendor/mathjax
 
-.PHONY: book test lint unit nbval nbval-portable browser lab execute figures bench stress lock clean
+.PHONY: book test lint unit nbval nbval-portable browser lab execute figures bench stress lock clean \
+	gpu-check
 
 $(STAMP): requirements.lock pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "the course needs Python 3.11: run make PYTHON=python3.11")'
@@ -85,6 +87,11 @@ bench: $(STAMP)
 	$(PY) -m bench.ddp
 	$(PY) -m bench.three_d
 	$(PY) -m bench.zero_memory
+
+# The CUDA path on a machine with a GPU: every strategy on one rank over NCCL, the
+# single-device labs' GPU numbers, and tests/test_gpu.py where there are two GPUs or more.
+gpu-check: $(STAMP)
+	$(PY) -m tools.gpu_check
 
 # 1,000 launches of a function that does nothing, two busy processes beside them.
 stress: $(STAMP)

@@ -1,12 +1,15 @@
-"""tools: re-executing a lab stores its outputs without timestamps. (tools.figures is
-tested in tests/test_viz.py, against the committed figures.)"""
+"""tools: re-executing a lab stores its outputs without timestamps; ``make gpu-check``'s
+rank checks pass on the CPU and refuse to pretend where there is no GPU. (tools.figures
+is tested in tests/test_viz.py, against the committed figures.)"""
 
 from __future__ import annotations
 
 import nbformat
+import pytest
+import torch
 from nbformat.v4 import new_code_cell, new_notebook
 
-from tools import execute
+from tools import execute, gpu_check
 
 
 def test_execute_stores_outputs_without_timestamps(tmp_path):
@@ -19,3 +22,16 @@ def test_execute_stores_outputs_without_timestamps(tmp_path):
     assert cell.outputs[0]["text"] == "42\n"
     assert cell.execution_count == 1
     assert "execution" not in cell.metadata
+
+
+def test_gpu_check_runs_every_rank_check_on_the_cpu(capsys):
+    assert gpu_check.main(["--cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out
+    assert out.count("PASS") == 10 and "10 of 10 checks passed" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU to check")
+def test_gpu_check_says_there_is_nothing_to_check_without_a_gpu(capsys):
+    assert gpu_check.main([]) == 2
+    assert "no CUDA GPU here" in capsys.readouterr().out
