@@ -146,3 +146,44 @@ def draw_step_times(runs: dict):
     ax.set_title("each rank's wait for its experts (bars) and the step (line)", loc="left")
     fig.tight_layout()
     return fig
+
+
+def draw_total_active(models: dict):
+    """Each model's parameters (``models[name]``: :func:`labsupport.estimate.moe.
+    moe_params`' dict and its ``top_k``/``n_expert``): those every token uses, the routed
+    experts one token uses, and the routed experts it does not."""
+    fig, ax = figure(7.5, 1.5 + 0.7 * len(models))
+    parts = [
+        ("used by every token", "#555555"),
+        ("routed experts a token uses", "#999999"),
+        ("routed experts it does not use", "#dddddd"),
+    ]
+    for y, m in enumerate(reversed(list(models.values()))):
+        used = m["routed experts"] * m["top_k"] / m["n_expert"]
+        sizes = [m["active"] - used, used, m["routed experts"] - used]
+        left = 0.0
+        for (label, color), size in zip(parts, sizes, strict=True):
+            ax.barh(
+                y,
+                size / m["total"],
+                left=left,
+                color=color,
+                edgecolor="white",
+                label=label if y == 0 else None,
+            )
+            left += size / m["total"]
+        ax.text(
+            1.01,
+            y,
+            f"{m['total'] / 1e9:.1f}B total, {m['active'] / 1e9:.1f}B active",
+            va="center",
+            fontsize=8,
+        )
+    ax.set_yticks(range(len(models)), list(reversed(list(models))))
+    ax.set_xlim(0, 1.45)
+    ax.set_xticks([0, 0.25, 0.5, 0.75, 1.0], ["0", "25%", "50%", "75%", "100%"])
+    ax.set_xlabel("share of the parameters")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.4, -0.45), ncols=3)
+    ax.set_title("total and active parameters", loc="left")
+    fig.tight_layout()
+    return fig
