@@ -81,6 +81,11 @@ def layer_cases(n_expert: int) -> list[dict]:
     nothing_for_others[:2] = 10.0  # every token picks experts 0 and 1, on rank 0
     results.append(layer_case(MoEConfig(n_expert, 2), nothing_for_others))
     results.append(all_to_all_against_torch())
+    try:  # one more expert than divides over the group
+        xp.ExpertParallelMoE(MoE(H, MoEConfig(n_expert + 1, 2)))
+        results.append("accepted")
+    except ValueError as exc:
+        results.append(str(exc))
     return results
 
 
@@ -106,7 +111,10 @@ def all_to_all_against_torch() -> dict:
 def test_expert_parallel_equals_one_process(ep):
     n_expert = 6 if ep == 3 else 8
     for rank in launch(layer_cases, ep, args=(n_expert,), timeout=240):
-        *cases, against_torch = rank
+        *cases, against_torch, refused = rank
+        assert refused.startswith(
+            f"{n_expert + 1} experts do not divide over an expert-parallel group"
+        )
         for case in cases:
             torch.testing.assert_close(*case["output"], **TOL)
             torch.testing.assert_close(*case["input gradient"], **TOL)
