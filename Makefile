@@ -87,6 +87,7 @@ bench: $(STAMP)
 	$(PY) -m bench.ddp
 	$(PY) -m bench.three_d
 	$(PY) -m bench.zero_memory
+	$(PY) -m bench.expert_parallel
 
 # The CUDA path on a machine with a GPU: every strategy on one rank over NCCL, the
 # single-device labs' GPU numbers, and tests/test_gpu.py where there are two GPUs or more.

@@ -7,6 +7,7 @@ did (a test checks that the committed files match).
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -14,13 +15,15 @@ import matplotlib.pyplot as plt
 import torch
 
 from labsupport import launch
+from labsupport.estimate import moe as moe_estimate
 from labsupport.estimate.tensor_parallel import layer_costs
-from labsupport.labs import lab04_checkpointing, lab07_collectives
+from labsupport.labs import lab04_checkpointing, lab07_collectives, lab18_moe
 from labsupport.labs.lab06_launching import global_rank
 from labsupport.labs.lab15_megatron import bloom_stack_figure
 from labsupport.models import MLPStack
 from labsupport.viz import clusters, collectives, dtypes, one_device, ranks, roofline, walls
 from labsupport.viz import data_parallel as dp_figures
+from labsupport.viz import expert_parallel as ep_figures
 from labsupport.viz import parameter_server as ps_figures
 from labsupport.viz import pipeline as pipeline_figures
 from labsupport.viz import reliability as reliability_figures
@@ -68,6 +71,38 @@ def ring_all_reduce_steps():
     return collectives.draw_ring_allreduce(4)
 
 
+# --------------------------------------------------------------------------- chapter 18
+
+
+@functools.cache
+def routed_top2() -> list[dict]:
+    """Lab 18's top-2 layer on 4 ranks, routed exactly (dyadic numbers): each rank's
+    result, run once for both figures that draw it."""
+    return [r["top-2, dropless"] for r in launch(lab18_moe.compare_all, 4, timeout=240)]
+
+
+def total_and_active():
+    """Chapter 18: Mixtral 8x7B and DeepSeek-V3, counted from their configurations."""
+    models = {}
+    for name, config in (
+        ("Mixtral 8x7B", moe_estimate.MIXTRAL_8X7B),
+        ("DeepSeek-V3", moe_estimate.DEEPSEEK_V3),
+    ):
+        counts = moe_estimate.moe_params(config)
+        models[name] = counts | {"top_k": config["top_k"], "n_expert": config["n_expert"]}
+    return ep_figures.draw_total_active(models)
+
+
+def rows_per_expert():
+    """Chapter 18: the rows each expert of lab 18's top-2 layer gets, by source rank."""
+    return ep_figures.draw_tokens_per_expert([r["kept"] for r in routed_top2()])
+
+
+def dispatch():
+    """Chapter 18: the dispatch all-to-all of lab 18's top-2 layer, from its split sizes."""
+    return ep_figures.draw_dispatch([r["sent"] for r in routed_top2()])
+
+
 FIGURES = {
     "06-ranks.png": ranks_on_two_nodes,
     "05-alpha-beta.png": clusters.alpha_beta_regimes,
@@ -99,6 +134,9 @@ FIGURES = {
         layer_costs(), "GPT-3 175B on H100s, per GPU (modelled, not measured)"
     ),
     "12-activations.png": tp_figures.draw_activations,
+    "18-params.png": total_and_active,
+    "18-imbalance.png": rows_per_expert,
+    "18-dispatch.png": dispatch,
 }
 
 

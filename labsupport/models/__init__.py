@@ -3,7 +3,8 @@
 * :mod:`~labsupport.models.gpt`: the course's one GPT (nanoGPT's GPT-2);
 * :mod:`~labsupport.models.mlp`: an MLP, and the residual MLP stack of chapter 4;
 * :mod:`~labsupport.models.cnn`: a LeNet-style CNN;
-* :mod:`~labsupport.models.data`: random tokens and regression data from a seed.
+* :mod:`~labsupport.models.data`: random tokens and regression data from a seed;
+* :mod:`~labsupport.models.moe`: a mixture-of-experts FFN (router, experts, balancing).
 """
 
 from labsupport.models.cnn import SmallCNN
@@ -18,6 +19,7 @@ from labsupport.models.gpt import (
     tiny_gpt,
 )
 from labsupport.models.mlp import MLP, MLPStack
+from labsupport.models.moe import MoE, MoEConfig
 
 __all__ = [
     "GPT",
@@ -28,6 +30,8 @@ __all__ = [
     "MLP",
     "GPTConfig",
     "MLPStack",
+    "MoE",
+    "MoEConfig",
     "SmallCNN",
     "random_tokens",
     "regression_data",

@@ -16,7 +16,9 @@ Options the chapters need, in :class:`GPTConfig`:
 * ``dropout`` (after the embeddings, on the attention probabilities, after each residual
   branch, as nanoGPT and the formulas place it);
 * ``recompute="selective"`` recomputes the attention core in the backward pass and
-  ``"full"`` every block (Megatron's ``recompute_granularity``).
+  ``"full"`` every block (Megatron's ``recompute_granularity``);
+* ``moe=MoEConfig(...)`` replaces every block's MLP by a mixture of experts whose experts
+  are that MLP (:mod:`labsupport.models.moe`; chapter 18).
 
 The forward pass is :meth:`GPT.embed`, then :meth:`GPT.run_block` for each block, then
 :meth:`GPT.head`: the pieces a pipeline stage or a per-layer measurement needs.
@@ -37,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from labsupport.models.moe import MoE, MoEConfig
+
 ATTENTION = ("sdpa", "math")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -56,6 +60,7 @@ class GPTConfig:
     tie_weights: bool = True
     attention: str = "sdpa"
     recompute: str = "none"
+    moe: MoEConfig | None = None  # experts in place of each block's MLP
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -135,7 +140,10 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        if config.moe is None:
+            self.mlp = MLP(config)
+        else:  # a mixture of experts, each expert an MLP
+            self.mlp = MoE(config.n_embd, config.moe, lambda: MLP(config))
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))

@@ -1,0 +1,121 @@
+"""An MoE layer under expert parallelism on 4 ranks against the same layer in one process,
+and the bytes each rank sends against the formula (issue 22's target: exact).
+
+The layer: width 256, 8 experts (4x-wide GELU FFNs), top-2, dropless; each of the 4 ranks
+routes its own 512 tokens. One training step is its forward and backward pass; each rank
+times STEPS steps after a warm-up, from a barrier to the slowest rank's end. The single
+process (a launch of one rank, under the same settings) runs the 2,048 tokens of all four
+ranks, rank by rank, through the whole layer. The two alternate, round after round. Every
+process computes with one thread (``LABSUPPORT_THREADS=1``): on a busy 2-core machine, two
+threads per process made the single process's small matrix products 20 times slower.
+The 4 ranks share the cores and every token crosses loopback; the ratio is reported,
+with no target. The
+bytes are counted by ``comm.traced`` in one step and held against
+``estimate.moe.all_to_all_bytes`` of the step's routing plus the count exchange.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+WIDTH, EXPERTS, TOP_K, TOKENS, WORLD = 256, 8, 2, 512, 4
+STEPS, ROUNDS = 5, 3
+
+
+def tokens(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s tokens; they need a gradient, as a layer's input in a model does
+    (else autograd skips the dispatch's twin in the backward pass)."""
+    x = torch.randn(TOKENS, WIDTH, generator=torch.Generator().manual_seed(rank))
+    return x.requires_grad_(True)
+
+
+def layer():
+    from labsupport.models import MoE, MoEConfig
+
+    torch.manual_seed(0)
+    return MoE(WIDTH, MoEConfig(EXPERTS, TOP_K))
+
+
+def step(model, batches) -> None:
+    for x in batches:
+        model(x).square().mean().backward()
+
+
+def timed(kind: str) -> dict | None:
+    """Seconds per step (rank 0), and for expert parallelism the bytes each rank sent in
+    one step and what the formula gives for that step's routing."""
+    from labsupport.comm import traced
+    from labsupport.estimate.moe import all_to_all_bytes
+    from labsupport.launch.runtime import device
+    from labsupport.parallel import expert_parallel as xp
+
+    rank = dist.get_rank()
+    if kind == "ep":
+        model = xp.ExpertParallelMoE(layer().to(device()))
+        batches = [tokens(rank).detach().to(device()).requires_grad_(True)]
+    else:
+        model, batches = layer(), [tokens(r) for r in range(WORLD)]
+    with traced.trace_collectives() as trace:
+        step(model, batches)  # warm-up, and the bytes of one step
+    out = {}
+    if kind == "ep":
+        sent = torch.bincount(model.routing.experts.flatten(), minlength=EXPERTS)
+        rows_to = [None] * WORLD
+        dist.all_gather_object(rows_to, sent.view(WORLD, -1).sum(1).tolist())
+        counts = (WORLD - 1) * EXPERTS // WORLD * 8
+        out = {
+            "bytes": xp.all_to_all_bytes(trace),
+            "formula": all_to_all_bytes(rows_to, WIDTH)[rank] + counts,
+        }
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        step(model, batches)
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return out | {"step": elapsed.item() / STEPS}
+
+
+def main() -> int:
+    import os
+
+    from labsupport import launch
+
+    os.environ["LABSUPPORT_THREADS"] = "1"  # every process one thread (see above)
+    ep, single, bytes_rows = [], [], None
+    for _ in range(ROUNDS):  # alternate, so that both see the same machine load
+        results = launch(timed, WORLD, args=("ep",), timeout=900)
+        ep.append(results[0]["step"])
+        bytes_rows = results
+        single.append(launch(timed, 1, args=("single",), timeout=900)[0]["step"])
+    median = sorted(e / s for e, s in zip(ep, single, strict=True))[ROUNDS // 2]
+    print(
+        f"\nan MoE layer (width {WIDTH}, {EXPERTS} experts, top-{TOP_K}, dropless), "
+        f"{WORLD} x {TOKENS} tokens, forward and backward, {ROUNDS} rounds"
+    )
+    print(f"{'run':40s} {'median step':>12s}")
+    for label, times in (
+        ("one process, every expert", single),
+        (f"EP {WORLD}, 2 experts per rank", ep),
+    ):
+        print(f"{label:40s} {sorted(times)[ROUNDS // 2] * 1e3:10.1f}ms")
+    print(
+        f"\nEP {WORLD} step / single-process step, median over rounds: {median:.2f}x "
+        f"(reported, no target: {WORLD} ranks share this machine's cores)"
+    )
+    print("\nbytes each rank sent in one step (all-to-alls), against the formula")
+    print(f"{'rank':>4s} {'counted':>12s} {'formula':>12s}")
+    exact = True
+    for rank, r in enumerate(bytes_rows):
+        exact &= r["bytes"] == r["formula"]
+        print(f"{rank:4d} {r['bytes']:12,d} {r['formula']:12,d}")
+    print(f"target: bytes per rank exactly the formula -> {'met' if exact else 'MISSED'}")
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
