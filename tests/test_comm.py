@@ -19,7 +19,7 @@ from torch.distributed import ReduceOp
 
 from labsupport import LaunchError, comm, launch
 from labsupport.comm import collectives as C
-from labsupport.comm import cost, measure
+from labsupport.comm import cost, measure, traced
 from labsupport.comm.allreduce import ALGORITHMS, bytes_sent
 from labsupport.comm.p2p import Group, exchange, exchange_many
 from labsupport.estimate import datasheets
@@ -450,3 +450,14 @@ def test_time_all_reduce_takes_the_median_of_the_slowest_rank_after_a_warm_up():
     results = launch(all_reduce_on_a_fake_clock, 3, timeout=60)
     # rank 2 is the slowest (3 x 1, 3 x 3, 3 x 2 s); the warm-up (300 s) is left out
     assert results == [[{"bytes": 64, "seconds": 6.0}], None, None]
+
+
+def test_traced_bytes_per_rank_counts_rings_and_an_all_to_all_as_sent():
+    trace = traced.Trace(
+        [("all_reduce", 400, 4), ("all_gather", 400, 4), ("broadcast", 400, 4),
+         ("all_to_all", 123, 4)],
+        [(0, 1, 2, 3)] * 4,
+    )  # fmt: skip
+    assert traced.bytes_per_rank(trace) == 600 + 300 + 300 + 123
+    assert traced.bytes_per_rank(trace.on([3, 2, 1, 0])) == 1323
+    assert trace.on([0, 1]).calls == []

@@ -110,6 +110,10 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 
 
 def bytes_per_rank(trace: Trace) -> float:
-    """Bytes each rank sends for the traced collectives, run as rings."""
+    """Bytes each rank sends for the traced collectives, run as rings; an all-to-all is
+    recorded with the bytes this rank sends to the others, counted as they are."""
     factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
-    return sum(factor[name] * (n - 1) / n * size for name, size, n in trace.calls)
+    return sum(
+        size if name == "all_to_all" else factor[name] * (n - 1) / n * size
+        for name, size, n in trace.calls
+    )
