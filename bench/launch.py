@@ -83,7 +83,7 @@ def time_spawn() -> float:
         import time
         import torch.multiprocessing as mp
         from bench.launch import _spawned
-        from labsupport.labs.lab06_launching import free_port
+        from labsupport.launch.nodes import free_port
         start = time.perf_counter()
         mp.spawn(_spawned, args=({WORLD}, free_port()), nprocs={WORLD})
         print(time.perf_counter() - start)
