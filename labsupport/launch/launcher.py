@@ -104,7 +104,8 @@ class _Pickler(cloudpickle.Pickler):
 def _pickle_job(fn, args, kwargs) -> bytes:
     try:
         buffer = io.BytesIO()
-        _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump((fn, tuple(args), dict(kwargs)))
+        job = (fn, tuple(args), dict(kwargs))
+        _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(job)
         return buffer.getvalue()
     except Exception as exc:
         raise LaunchError(
