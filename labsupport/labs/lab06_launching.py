@@ -149,14 +149,12 @@ def all_reduce_via(init_method: str) -> dict:
     # The launcher (like torchrun) tells ranks to join its own store. Without that flag,
     # rank 0 hosts the store at the tcp:// address itself, as in a job started by hand.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    # torch's store would listen on every interface, whatever host the URL names: on
-    # this machine rank 0 opens it on the loopback interface first, and torch uses it
+    # torch's store would listen on every interface, whatever host the URL names: for a
+    # loopback address, rank 0 opens it on loopback first, and torch's store shares it
     url = urllib.parse.urlparse(init_method)
-    server = (
-        loopback.host_store(url.hostname, url.port) if url.scheme == "tcp" and rank == 0 else None
-    )
+    hosted = loopback.host_store(url.hostname, url.port) if rank == 0 else None
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
-    del server  # the process group holds the store now
+    del hosted  # the process group holds the store now
     total = torch.tensor([float(rank)], device=device())
     dist.all_reduce(total)
     return {"rank": rank, "sum_of_ranks": int(total.item())}
