@@ -439,6 +439,7 @@ def test_only_the_rank_that_hosts_a_loopback_store_opens_one(monkeypatch):
     assert loopback.is_loopback("localhost") and loopback.is_loopback("::1")
     assert not loopback.is_loopback("192.0.2.1") and not loopback.is_loopback("no.such.host.")
     assert loopback.host_store("192.0.2.1", 29500) is None  # another machine's store
+    assert loopback.host_store("::1", 29500) is None  # its clients would not find 127.0.0.1
     port = nodes.free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))

@@ -26,6 +26,7 @@ does; the tests hold every kind of launch to it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import socket
@@ -40,11 +41,15 @@ LOOPBACK = "127.0.0.1"
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an address or a name, ``localhost``) is this machine's loopback."""
+    addresses = _addresses(host)
+    return bool(addresses) and all(_loopback_address(a) for a in addresses)
+
+
+def _addresses(host: str) -> set[str]:
     try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        return {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
     except (OSError, UnicodeError):
-        return False
-    return bool(infos) and all(_loopback_address(info[4][0]) for info in infos)
+        return set()
 
 
 def _loopback_address(address: str) -> bool:
@@ -92,9 +97,10 @@ def host_store(host: str, port: int):
     Call it, on the process that is to host the store, before torch creates its own
     server for ``host:port``, and keep the result until the process group exists. A
     port already taken (by a server of this process torch shares, or by another process)
-    gives ``None``: torch's own attempt then reports or shares it as before.
+    gives ``None``: torch's own attempt then reports or shares it as before. So does a
+    host that does not resolve to 127.0.0.1 (``::1``): its clients would not reach it.
     """
-    if not port or not is_loopback(host):
+    if not port or not is_loopback(host) or LOOPBACK not in _addresses(host):
         return None
     try:
         return store_server(port)
@@ -116,6 +122,7 @@ def host_env_store():
     return host_store(env.get("MASTER_ADDR", ""), int(env.get("MASTER_PORT") or 0))
 
 
+@functools.cache
 def interface() -> str:
     """The name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS)."""
     for name, addresses in psutil.net_if_addrs().items():
