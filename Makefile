@@ -70,10 +70,12 @@ browser: book
 
 test: lint unit nbval nbval-portable book browser
 
-# JupyterLab on the repository, opening the labs: a lab's links to its chapter work.
+# JupyterLab on the repository, opening the labs: a lab's links to its chapter work. It
+# listens on 127.0.0.1 only and asks for its token (printed in the link it opens): a
+# kernel runs any code it is sent, so nothing on the network may reach it.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/labs \
-		$$([ "$$(id -u)" = 0 ] && echo --allow-root)
+	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. \
+		--LabApp.default_url=/lab/tree/labs $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 execute: $(STAMP)
 	$(PY) -m tools.execute $(LABS)

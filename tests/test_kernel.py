@@ -7,13 +7,26 @@ import time
 
 import psutil
 import pytest
-from jupyter_client.manager import start_new_kernel
+from jupyter_client.manager import KernelManager
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    manager, client = start_new_kernel(kernel_name="python3")
+def kernel(tmp_path_factory):
+    """A kernel of this test's own, reached through Unix sockets in a folder of its own:
+    no TCP port that another program could take between choosing it and binding it, no
+    connection file among other kernels'."""
+    folder = tmp_path_factory.mktemp("kernel")
+    manager = KernelManager(
+        kernel_name="python3",
+        transport="ipc",
+        ip=str(folder / "channel"),
+        connection_file=str(folder / "kernel.json"),
+    )
+    manager.start_kernel()
+    client = manager.client()
+    client.start_channels()
     try:
+        client.wait_for_ready(timeout=120)
         yield manager, client
     finally:
         client.stop_channels()

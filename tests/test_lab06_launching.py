@@ -5,6 +5,7 @@ checkers, on real ranks. (torchrun itself is tested in tests/test_run.py.)"""
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from notebook_solutions import solution, stub
 
 from labsupport import LaunchError, launch
 from labsupport.labs import lab06_launching
+from labsupport.launch import loopback
+from labsupport.launch.nodes import free_port
 
 LAB = "06-launching.ipynb"
 
@@ -90,16 +93,24 @@ def test_torch_distributed_debug_set_for_a_launch_reaches_its_ranks():
     assert "Tensor shapes" in info.value.failures[info.value.root_rank].summary
 
 
+def all_reduce_via_and_hold(init_method):
+    result = lab06_launching.all_reduce_via(init_method)
+    time.sleep(0.5)  # rank 0's store and the ranks' sockets are up meanwhile
+    return result
+
+
 def test_all_reduce_via_file_and_tcp_init_methods(tmp_path):
     via_file = launch(
         lab06_launching.all_reduce_via, 3, kwargs={"init_method": f"file://{tmp_path}/meet"}
     )
-    port = lab06_launching.free_port()
-    via_tcp = launch(
-        lab06_launching.all_reduce_via, 2, kwargs={"init_method": f"tcp://127.0.0.1:{port}"}
-    )
+    port = free_port()
+    with loopback.watch_listening() as seen:
+        via_tcp = launch(all_reduce_via_and_hold, 2, args=(f"tcp://127.0.0.1:{port}",))
     assert via_file == [{"rank": r, "sum_of_ranks": 3} for r in range(3)]
     assert via_tcp == [{"rank": r, "sum_of_ranks": 1} for r in range(2)]
+    # rank 0 hosted the tcp:// store, on loopback only
+    assert port in {p for _, address, p in seen if address == "127.0.0.1"}
+    assert loopback.exposed(seen) == set()
 
 
 def test_the_slurm_script_runs_two_nodes_here_and_is_the_one_chapter_6_shows():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import multiprocessing.forkserver
 import os
 import signal
 import subprocess
@@ -17,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from labsupport import LaunchError, LaunchTimeout, launch, warm_up
-from labsupport.launch import errors, runtime
+from labsupport.launch import errors, launcher, loopback, nodes, runtime
+from labsupport.models import random_tokens, tiny_gpt
 
 TORCHRUN_VARS = (
     "RANK",
@@ -82,7 +85,8 @@ def test_lambdas_closures_and_arguments_travel_by_value():
     assert launch(lambda: dist.get_world_size() * 7, 2, timeout=60) == [14, 14]
 
 
-def test_device_is_cpu_with_gloo_and_threads_are_shared_out():
+def test_device_is_cpu_with_gloo_and_threads_are_shared_out(monkeypatch):
+    monkeypatch.delenv("LABSUPPORT_THREADS", raising=False)  # set by the portable runs
     results = launch(lambda: (str(runtime.device()), torch.get_num_threads()), 2, timeout=60)
     cores = len(os.sched_getaffinity(0))
     assert results == [("cpu", max(1, cores // 2))] * 2
@@ -172,27 +176,51 @@ def test_large_return_values_do_not_deadlock():
     assert results[1][-1].item() == 1.0
 
 
-def mp_temp_dirs() -> set[str]:
-    """multiprocessing's temporary folders (its forkserver keeps one per process)."""
-    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("pymp-")}
-
-
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_fifty_launches_leak_no_processes_or_file_descriptors():
-    launch(env_and_sum, 2, timeout=60)  # the forkserver is up before we count
-    fds, children = open_fds(), {p.pid for p in psutil.Process().children()}
-    temp_files = mp_temp_dirs()
-    for _ in range(50):
+def what_launches_leave(launches: int) -> dict:
+    """Open descriptors, child processes and files in the temporary folder after one
+    launch (the forkserver is up) and after ``launches`` more and a failing one."""
+
+    def state():
+        return {
+            "fds": open_fds(),
+            "children": sorted(p.pid for p in psutil.Process().children()),
+            "temp": sorted(os.listdir(tempfile.gettempdir())),
+        }
+
+    launch(env_and_sum, 2, timeout=60)
+    before = state()
+    for _ in range(launches):
         launch(env_and_sum, 2, timeout=60)
-    with pytest.raises(LaunchError):
+    with contextlib.suppress(LaunchError):
         launch(raise_on_rank_one, 2, timeout=60)
-    assert open_fds() == fds
-    assert {p.pid for p in psutil.Process().children()} == children
-    assert mp_temp_dirs() == temp_files
     assert_no_ranks_left()
+    return {"before": before, "after": state()}
+
+
+def test_fifty_launches_leak_no_processes_or_file_descriptors(tmp_path):
+    """Run in a Python of its own whose temporary folder is this test's: what it finds
+    there, only its launches made (multiprocessing's ``pymp-*`` folder, anything a rank
+    leaves behind), whatever other programs on the machine do meanwhile."""
+    code = (
+        f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "import test_launch\n"
+        "print(json.dumps(test_launch.what_launches_leave(50)))\n"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    state = json.loads(out.stdout.splitlines()[-1])
+    assert state["after"] == state["before"]
+    assert [name for name in state["before"]["temp"] if name.startswith("pymp-")], state
+    # once that Python has exited, only torch's compile cache (kept on purpose) is left
+    left = [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == [], "the launcher left files in the temporary folder"
 
 
 def test_the_callers_environment_is_untouched_after_success_and_failure():
@@ -299,11 +327,131 @@ def test_a_process_that_escapes_the_rank_does_not_hold_the_launch():
 
 
 def test_warm_up_starts_the_forkserver_ahead_of_the_first_launch():
-    import multiprocessing.forkserver
-
     warm_up()
     assert multiprocessing.forkserver._forkserver._forkserver_pid is not None
     assert launch(lambda: dist.get_rank(), 2, timeout=60) == [0, 1]
+
+
+def test_a_notebook_function_using_dist_and_a_config_attribute_travels():
+    """cloudpickle takes along the submodules a function's code names, and would fail on
+    ``torch.distributed.config`` (a ModuleType subclass) for any ``x.config``."""
+
+    def config_and_rank():
+        return tiny_gpt().config.n_embd + dist.get_rank()
+
+    assert launch(config_and_rank, 2, timeout=60) == [64, 65]
+
+
+# --------------------------------------------------------------------------- launch cost
+
+
+def test_the_forkserver_preloads_what_ranks_need_and_runs_no_thread():
+    """What the forkserver holds after preloading, in a Python of its own that imports
+    the same modules: torch._dynamo (a rank's first optimizer would import it), one
+    thread (OpenBLAS's pool stopped), no CUDA context, nothing for plotting."""
+    code = (
+        "import os, sys, threading\n"
+        f"for name in {launcher.PRELOAD!r}: __import__(name)\n"
+        "import torch\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print(threading.active_count(), len(os.listdir('/proc/self/task')),\n"
+        "      'torch._dynamo' in sys.modules, 'torch.distributed.checkpoint' in sys.modules,\n"
+        "      torch.cuda.is_initialized(), 'libcuda.so' in maps,\n"
+        "      any(m in sys.modules for m in ('matplotlib', 'IPython', 'ipywidgets')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.split() == ["1", "1", "True", "True", "False", "False", "False"]
+
+
+def test_the_running_forkserver_has_one_thread():
+    launch(env_and_sum, 2, timeout=60)
+    server = multiprocessing.forkserver._forkserver
+    assert server._preload_modules == launcher.PRELOAD
+    assert os.listdir(f"/proc/{server._forkserver_pid}/task") == [str(server._forkserver_pid)]
+
+
+def first_training_steps() -> list[str]:
+    """A rank's first optimizer, forward, backward, all-reduce and step, on a Linear and
+    on the course's GPT; returns the modules they imported."""
+    before = set(sys.modules)
+    model = torch.nn.Linear(8, 8)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8)).square().mean().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    adam.step()
+    gpt = tiny_gpt()
+    adamw = torch.optim.AdamW(gpt.parameters(), lr=1e-3, weight_decay=0.1)
+    gpt(*random_tokens(2, 16, 256))[1].backward()
+    adamw.step()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return sorted(set(sys.modules) - before)
+
+
+def test_a_ranks_first_optimizer_step_imports_nothing_heavy():
+    """Before the forkserver preloaded torch._dynamo, every rank of every launch imported
+    some 800 modules (2.5-3.5 s) at its first optimizer."""
+    for imported in launch(first_training_steps, 2, timeout=120):
+        heavy = [m for m in imported if m.startswith(("torch._dynamo", "torch._inductor", "sympy"))]
+        assert heavy == [] and len(imported) <= 3, imported
+
+
+# --------------------------------------------------------------------------- loopback only
+
+
+def hold_the_group(seconds: float = 1.0):
+    time.sleep(seconds)  # the store and the ranks' sockets are up meanwhile
+    return int(os.environ["MASTER_PORT"]), os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+def test_everything_a_launch_listens_on_is_on_the_loopback_interface():
+    with loopback.watch_listening() as seen:
+        results = launch(hold_the_group, 3, timeout=60)
+    port = results[0][0]
+    assert (os.getpid(), "127.0.0.1", port) in seen, "the store was not seen on 127.0.0.1"
+    assert len(seen) > 1, "nor the ranks' sockets"
+    assert loopback.exposed(seen) == set()
+    assert {interface for _, interface in results} == {loopback.interface()}
+
+
+def listening_ports() -> set[int]:
+    return {port for _, _, port in loopback.listening(os.getpid())}
+
+
+def test_a_loopback_store_server_is_shared_by_torchs_own_store_and_closes_its_socket():
+    fds = open_fds()
+    server = loopback.store_server()
+    port = server.port
+    assert (os.getpid(), "127.0.0.1", port) in loopback.listening(os.getpid())
+    # what torch's env:// or tcp:// rendezvous creates next, in the same process
+    same = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True)
+    client = dist.TCPStore("127.0.0.1", port, is_master=False)
+    client.set("key", "value")
+    assert server.get("key") == same.get("key") == b"value"
+    assert not loopback.exposed(loopback.listening(os.getpid()))
+    del server, same, client
+    assert port not in listening_ports() and open_fds() == fds
+
+
+def test_only_the_rank_that_hosts_a_loopback_store_opens_one(monkeypatch):
+    assert loopback.is_loopback("localhost") and loopback.is_loopback("::1")
+    assert not loopback.is_loopback("192.0.2.1") and not loopback.is_loopback("no.such.host.")
+    assert loopback.host_store("192.0.2.1", 29500) is None  # another machine's store
+    assert loopback.host_store("::1", 29500) is None  # its clients would not find 127.0.0.1
+    port = nodes.free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "1")
+    assert loopback.host_env_store() is None  # rank 0 hosts it
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert loopback.host_env_store() is None  # the agent hosts it
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    store = loopback.host_env_store()
+    assert store.port == port and port in listening_ports()
+    assert loopback.host_env_store() is None  # taken: torch shares the one it has
 
 
 # --------------------------------------------------------------------------- without ranks

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import urllib.parse
 from datetime import timedelta
 
 import torch
@@ -20,17 +21,15 @@ import torch.distributed as dist
 
 from labsupport.labs.cells import exercise
 
-# torchrun and Slurm runs on this machine live in lab06_nodes; the lab and lab 15 use them
-# from here (``name as name``: re-exported)
+# the Slurm job of section 6 lives in lab06_nodes; the lab uses it from here
+# (``name as name``: re-exported)
 from labsupport.labs.lab06_nodes import SBATCH_TWO_NODES as SBATCH_TWO_NODES
 from labsupport.labs.lab06_nodes import SLURM_STAND_INS as SLURM_STAND_INS
-from labsupport.labs.lab06_nodes import _kill_trees as _kill_trees
-from labsupport.labs.lab06_nodes import _wait_for_nodes as _wait_for_nodes
-from labsupport.labs.lab06_nodes import free_port as free_port
 from labsupport.labs.lab06_nodes import sbatch_here as sbatch_here
-from labsupport.labs.lab06_nodes import torchrun_nodes
+from labsupport.launch import loopback
 from labsupport.launch.errors import LaunchError
 from labsupport.launch.launcher import launch
+from labsupport.launch.nodes import torchrun_nodes
 from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 
@@ -150,7 +149,12 @@ def all_reduce_via(init_method: str) -> dict:
     # The launcher (like torchrun) tells ranks to join its own store. Without that flag,
     # rank 0 hosts the store at the tcp:// address itself, as in a job started by hand.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    # torch's store would listen on every interface, whatever host the URL names: for a
+    # loopback address, rank 0 opens it on loopback first, and torch's store shares it
+    url = urllib.parse.urlparse(init_method)
+    hosted = loopback.host_store(url.hostname, url.port) if rank == 0 else None
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    del hosted  # the process group holds the store now
     total = torch.tensor([float(rank)], device=device())
     dist.all_reduce(total)
     return {"rank": rank, "sum_of_ranks": int(total.item())}

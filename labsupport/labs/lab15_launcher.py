@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from labsupport.labs.cells import exercise
-from labsupport.labs.lab06_nodes import _node_environment, _run_nodes, free_port
 from labsupport.labs.lab14_frameworks import use_deepspeed_accelerator
+from labsupport.launch import loopback
+from labsupport.launch.nodes import free_port, node_environment, run_nodes
 from labsupport.launch.runtime import device
 
 
@@ -150,12 +151,13 @@ def deepspeed_nodes(hosts: dict, num_nodes: int, num_gpus: int, timeout: float =
     as the host's slots).
 
     Each node is its own launcher, started as on a cluster without ssh (``--no_ssh``
-    and its ``--node_rank``), all meeting at ``--master_addr:--master_port``. Returns
-    the ``[rank N] -> value`` lines, sorted by rank; raises ``RuntimeError`` with every
+    and its ``--node_rank``), all meeting at ``--master_addr:--master_port``, where rank
+    0 hosts the store, on loopback (see the end of this module). Returns the
+    ``[rank N] -> value`` lines, sorted by rank; raises ``RuntimeError`` with every
     node's output if one fails.
     """
     port = free_port()
-    env = _node_environment()  # one thread per process, as torchrun would set
+    env = node_environment()  # one thread per process, as torchrun would set
     env["DS_ACCELERATOR"] = "cpu"
     with tempfile.TemporaryDirectory() as folder:
         hostfile = os.path.join(folder, "hostfile")
@@ -164,11 +166,7 @@ def deepspeed_nodes(hosts: dict, num_nodes: int, num_gpus: int, timeout: float =
         commands = [
             deepspeed_command(hostfile, n, port, num_nodes, num_gpus) for n in range(num_nodes)
         ]
-        try:
-            return _run_nodes(commands, env, timeout)
-        except RuntimeError as err:  # lab 6's helper names its nodes after torchrun
-            what = str(err).replace("a torchrun node", "a DeepSpeed launcher", 1)
-            raise RuntimeError(what) from None
+        return run_nodes(commands, env, timeout, what="a DeepSpeed launcher")
 
 
 # --------------------------------------------------------------------------- exercise 3
@@ -237,4 +235,8 @@ def check_rank_layout(fn) -> str:
 
 
 if __name__ == "__main__":
+    # DeepSpeed's launcher starts no store: rank 0 hosts it, in init_distributed's env://
+    # rendezvous, on every interface. Rank 0 opens it on loopback first, as the master
+    # address is 127.0.0.1, and torch's store shares it (labsupport.launch.loopback).
+    server = loopback.host_env_store()
     launcher_worker()

@@ -13,16 +13,16 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-from labsupport.labs.lab06_launching import _kill_trees, _wait_for_nodes, free_port
 from labsupport.labs.lab16_fault_tolerance import latest_checkpoint, train
+from labsupport.launch import loopback
 from labsupport.launch.launcher import rank_environment
+from labsupport.launch.nodes import free_port, kill_trees, torchrun_command, wait_for_nodes
 
 
 def train_elastic(root: str, kill_rank: int = 2, kill_step: int = 10) -> dict | None:
@@ -53,17 +53,17 @@ def torchrun_job(target: str, nproc: int = 4, max_restarts: int = 1, args=(), ti
     # torch 2.13's agent keeps one store for the workers across restarts, and a restarted
     # worker can read a dead one's address from it (pytorch/pytorch#135712, #167288)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
     elastic = ["--nnodes=1:2", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
-    meet = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    meet = ["--rdzv-backend=c10d", f"--rdzv-endpoint={loopback.LOOPBACK}:{free_port()}"]
     quick = ["--rdzv-conf=last_call_timeout=1", "--monitor-interval=0.2"]
-    command = [*torchrun, *elastic, *meet, *quick, "-m", "labsupport.run", target, *args]
+    # torchrun with its stores on 127.0.0.1 (labsupport.launch.local_torchrun)
+    command = torchrun_command(*elastic, *meet, *quick, "-m", "labsupport.run", target, *args)
     with tempfile.TemporaryFile(mode="w+") as log:
         node = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            timed_out = _wait_for_nodes([node], time.monotonic() + timeout)
+            timed_out = wait_for_nodes([node], time.monotonic() + timeout)
         finally:
-            _kill_trees([node])
+            kill_trees([node])
         log.seek(0)
         output = log.read()
     if timed_out:

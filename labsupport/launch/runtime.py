@@ -23,6 +23,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from labsupport.launch import loopback
+
 #: The backend ``"auto"`` picks when every rank on the node can have a GPU of its own.
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
 _KNOWN = ("gloo", "nccl", "mpi", "ucc", "xccl", GPU_BACKEND)
@@ -105,7 +107,9 @@ def init_process_group(backend: str = "auto", timeout: float = 300.0) -> str:
 
     Returns the backend used. With NCCL, the rank's GPU is made current first, so that
     collectives and :func:`device` agree. ``timeout`` bounds every collective: a rank
-    whose peers never arrive fails after it rather than waiting forever.
+    whose peers never arrive fails after it rather than waiting forever. A store this
+    rank hosts for a loopback ``MASTER_ADDR`` listens on loopback only
+    (:func:`~labsupport.launch.loopback.host_env_store`).
     """
     backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     # Every rank waits, at the end of setup, until all have connected (a barrier on the
@@ -118,6 +122,7 @@ def init_process_group(backend: str = "auto", timeout: float = 300.0) -> str:
     if uses_nccl(backend):
         torch.cuda.set_device(_gpu_index())
         kwargs["device_id"] = torch.device("cuda", _gpu_index())
+    server = loopback.host_env_store()  # noqa: F841 - kept until the group holds the store
     dist.init_process_group(
         backend=backend, init_method="env://", timeout=timedelta(seconds=timeout), **kwargs
     )
