@@ -58,6 +58,34 @@ def test_a_module_imports_only_its_layer_and_those_below(path):
     assert not above, f"{path.relative_to(PACKAGE)} ({LAYERS[mine]}) imports {sorted(above)}"
 
 
+def _lab_number(module: str) -> str | None:
+    """``"14"`` for ``labsupport.labs.lab14_zero`` (or ``lab14_zero.py``), else None."""
+    name = module.rsplit(".", 1)[-1]
+    return name[3:5] if name.startswith("lab") and name[3:5].isdigit() else None
+
+
+LAB_MODULES = [p for p in MODULES if layer_of(p) == "labs" and _lab_number(p.stem)]
+
+
+@pytest.mark.parametrize("path", LAB_MODULES, ids=lambda p: p.stem)
+def test_a_lab_module_imports_no_other_labs_module(path):
+    """What two labs share belongs in a core layer, not in one of the two labs."""
+    tree = ast.parse(path.read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imported.add(node.module)
+            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+    others = {
+        m
+        for m in imported
+        if m.startswith("labsupport.labs.") and _lab_number(m) not in (None, _lab_number(path.stem))
+    }
+    assert not others, f"{path.stem} imports {sorted(others)}"
+
+
 def test_every_module_belongs_to_a_layer():
     assert {layer_of(p) for p in MODULES} <= set(LAYERS)
 

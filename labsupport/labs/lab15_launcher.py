@@ -15,7 +15,6 @@ functions and ``launch.py``'s numbering of the ranks.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import tempfile
@@ -24,25 +23,10 @@ import torch
 import torch.distributed as dist
 
 from labsupport.labs.cells import exercise
-from labsupport.labs.lab14_frameworks import use_deepspeed_accelerator
 from labsupport.launch import loopback
 from labsupport.launch.nodes import free_port, node_environment, run_nodes
 from labsupport.launch.runtime import device
-
-
-@contextlib.contextmanager
-def cpu_accelerator():
-    """DeepSpeed's CPU accelerator in this process, without leaving ``DS_ACCELERATOR``
-    in the environment that ranks started later inherit (they choose their own)."""
-    before = os.environ.get("DS_ACCELERATOR")
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["DS_ACCELERATOR"]
-        else:
-            os.environ["DS_ACCELERATOR"] = before
+from labsupport.parallel.deepspeed_setup import cpu_accelerator, use_deepspeed_accelerator
 
 
 def launcher_worker(argv=None) -> dict:
