@@ -62,7 +62,12 @@ def bytes_per_rank(
         messages = 3 * (cp - 1) if variant == "ring" else 3
     if cp == 1:
         messages = 0
-    return {"forward": forward, "backward": backward, "total": forward + backward, "messages": messages}
+    return {
+        "forward": forward,
+        "backward": backward,
+        "total": forward + backward,
+        "messages": messages,
+    }
 
 
 def score_blocks(cp: int, layout: str = "zigzag", causal: bool = True) -> list[int]:

@@ -150,12 +150,20 @@ def check_shapes(q, k, v, lay: Layout) -> None:
         )
 
 
+def empty_result(q):
+    """Zeros for the output, laid out (batch, tokens, heads, head_dim) in memory as
+    FlashAttention returns it (so the model's transpose back to (batch, tokens, width)
+    copies nothing), and ``-inf`` for its log-sum-exp; both float32."""
+    b, h, n, d = q.shape
+    out = torch.zeros(b, n, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
+    return out, torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, lay, merge, on_step):
         g = p2p.Group(group)
-        kv, f32 = torch.stack([k, v]), {"dtype": torch.float32, "device": q.device}
-        out, lse = torch.zeros(q.shape, **f32), torch.full(q.shape[:-1], float("-inf"), **f32)
+        kv, (out, lse) = torch.stack([k, v]), empty_result(q)
         state = [out, lse, [False] * len(lay.chunks[g.me])]
         for step in range(g.size):
             src, pending = (g.me - step) % g.size, []

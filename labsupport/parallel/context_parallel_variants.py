@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from labsupport.comm import p2p, traced
 from labsupport.parallel.blockwise_attention import backward_step, forward_step
-from labsupport.parallel.context_parallel import check_shapes, make_layout
+from labsupport.parallel.context_parallel import check_shapes, empty_result, make_layout
 
 # --------------------------------------------------------------------------- all-gather K/V
 
@@ -39,8 +39,7 @@ class _AllGatherKV(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, lay):
         g, n = p2p.Group(group), k.size(2)
         kv = traced.all_gather(torch.stack([k, v]), 3, group)  # every rank's, in rank order
-        f32 = {"dtype": torch.float32, "device": q.device}
-        out, lse = torch.zeros(q.shape, **f32), torch.full(q.shape[:-1], float("-inf"), **f32)
+        out, lse = empty_result(q)
         state = [out, lse, [False] * len(lay.chunks[g.me])]
         for src in range(g.size):
             theirs = kv[..., src * n : (src + 1) * n, :]
