@@ -175,8 +175,6 @@ def test_merging_blocks_gives_the_softmax_over_all_keys():
     torch.testing.assert_close(out, want)
     scores = (q @ k.repeat_interleave(2, dim=1).transpose(-2, -1)) * scale
     torch.testing.assert_close(lse, scores.logsumexp(-1))
-    # the row maximum is the maximum of the block's scores
-    torch.testing.assert_close(halves[0][2], scores[..., :6].amax(-1))
 
 
 @pytest.mark.parametrize("diagonal", [False, True])
@@ -185,7 +183,7 @@ def test_a_blocks_backward_is_autograds(diagonal):
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = F.scaled_dot_product_attention(*leaves, is_causal=diagonal, enable_gqa=True)
     out.backward(dout)
-    _, lse, _ = blockwise.attention_block(q, k, v, D**-0.5, diagonal)
+    _, lse = blockwise.attention_block(q, k, v, D**-0.5, diagonal)
     delta = (dout * out.detach()).sum(-1)
     got = blockwise.attention_block_backward(dout, q, k, v, delta, lse, D**-0.5, diagonal)
     for g, leaf in zip(got, leaves, strict=True):

@@ -7,7 +7,7 @@ FlashAttention (Dao et al. 2022) runs over tiles in a GPU's SRAM and ring attent
 et al. 2023) over chunks of the sequence on different devices.
 
 * :func:`attention_block`: ``softmax(q·kᵀ·scale)·v`` over one block, with each query's
-  log-sum-exp ``lse = max + log(sum)`` and its maximum;
+  log-sum-exp ``lse = max + log(sum)``;
 * :func:`merge_attention`: two blocks' ``(out, lse)`` merged into the result over both;
 * :func:`attention_block_backward`: one block's gradients from the *final* ``lse``
   (FlashAttention-2's backward, Dao 2023, algorithm 2);
@@ -51,18 +51,19 @@ def _scores(q, k, scale: float, diagonal: bool):
 
 
 def attention_block(q, k, v, scale: float, diagonal: bool = False):
-    """``softmax(q·kᵀ·scale)·v`` over this block's keys alone: ``(out, lse, row_max)``.
+    """``softmax(q·kᵀ·scale)·v`` over this block's keys alone, and ``lse``: ``(out, lse)``.
 
-    ``q`` is ``(batch, heads, n, d)``, ``k`` and ``v`` ``(batch, kv_heads, m, d)``;
+    ``q`` is ``(batch, heads, n, d)``, ``k`` and ``v`` ``(batch, kv_heads, m, d)``.
     ``lse`` is each query's log-sum-exp of its scores, ``row_max + log(row_sum)``: the
-    two numbers the online softmax keeps for a block (Milakov & Gimelshein 2018).
+    running maximum and sum of the online softmax (Milakov & Gimelshein 2018) in one
+    number, all that merging needs.
     """
     s = _scores(q, k, scale, diagonal)
     row_max = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - row_max)
     row_sum = p.sum(dim=-1, keepdim=True)
     out = (p @ _repeat_kv(v, q.size(-3))) / row_sum
-    return out, (row_max + row_sum.log()).squeeze(-1), row_max.squeeze(-1)
+    return out, (row_max + row_sum.log()).squeeze(-1)
 
 
 def merge_attention(out, lse, block_out, block_lse):
@@ -95,13 +96,14 @@ def attention_block_backward(dout, q, k, v, delta, lse, scale: float, diagonal: 
 
 @dataclass(eq=False)
 class Work:
-    """The score blocks this rank computed: one ``(pass, queries, keys, kind)`` each."""
+    """The score blocks this rank computed, one ``(pass, queries, keys, kind, query
+    chunk, key chunk)`` each, ``kind`` ``"full"`` or ``"diagonal"`` (masked causally)."""
 
     blocks: list = field(default_factory=list)
 
     def scores(self, pass_: str = "forward") -> int:
         """Query-key scores computed in ``pass_`` (``"forward"`` or ``"backward"``)."""
-        return sum(n * m for p, n, m, _ in self.blocks if p == pass_)
+        return sum(n * m for p, n, m, *_ in self.blocks if p == pass_)
 
 
 _work: list[Work] = []
@@ -118,42 +120,40 @@ def count_work():
         _work.remove(work)
 
 
-def _record_work(pass_: str, n: int, m: int, diagonal: bool) -> None:
+def _record_work(pass_: str, c: int, diagonal: bool, chunks: tuple) -> None:
     for work in _work:
-        work.blocks.append((pass_, n, m, "diagonal" if diagonal else "full"))
+        work.blocks.append((pass_, c, c, "diagonal" if diagonal else "full", *chunks))
 
 
 # --------------------------------------------------------------------------- steps
 
 
-def _blocks(mine, theirs, c: int, causal: bool):
-    """``(query rows, key rows, diagonal)`` of each block between the chunks of queries
-    ``mine`` and the chunks of keys ``theirs`` (chunk indices in the sequence, each ``c``
-    tokens); blocks a causal mask hides entirely are left out."""
+def block_pairs(mine, theirs, c: int, causal: bool):
+    """``(query rows, key rows, diagonal, (query chunk, key chunk))`` of each block
+    between the chunks of queries ``mine`` and of keys ``theirs`` (chunk indices in the
+    sequence, ``c`` tokens each); blocks a causal mask hides entirely are left out."""
     for i, a in enumerate(mine):
         for j, b in enumerate(theirs):
             kind = _relation(a, b, causal)
             if kind is not None:
-                yield slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), kind == "diagonal"
+                rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                yield rows, cols, kind == "diagonal", (a, b)
 
 
 def forward_step(q, kv, mine, theirs, causal, state, merge=merge_attention):
     """Merge the blocks of the queries ``q`` (chunks ``mine``) with the keys and values
     ``kv`` (K and V stacked; chunks ``theirs``) into ``state = [out, lse, merged]``,
-    where ``merged[i]`` says whether local chunk ``i`` holds a result already. Returns
-    the last block's row maxima (for a lab to show)."""
+    where ``merged[i]`` says whether local chunk ``i`` holds a result already."""
     out, lse, merged = state
     scale, c = q.size(-1) ** -0.5, q.size(-2) // len(mine)
-    row_max = None
-    for rows, cols, diagonal in _blocks(mine, theirs, c, causal):
+    for rows, cols, diagonal, chunks in block_pairs(mine, theirs, c, causal):
         k, v = kv[0][..., cols, :], kv[1][..., cols, :]
-        o, s, row_max = attention_block(q[..., rows, :], k, v, scale, diagonal)
-        _record_work("forward", c, cols.stop - cols.start, diagonal)
+        o, s = attention_block(q[..., rows, :], k, v, scale, diagonal)
+        _record_work("forward", c, diagonal, chunks)
         if merged[rows.start // c]:
             o, s = merge(out[..., rows, :], lse[..., rows], o, s)
         out[..., rows, :], lse[..., rows] = o, s
         merged[rows.start // c] = True
-    return row_max
 
 
 def backward_step(dout, q, kv, stats, mine, theirs, causal, dq):
@@ -163,10 +163,10 @@ def backward_step(dout, q, kv, stats, mine, theirs, causal, dq):
     delta, lse = stats
     scale, c = q.size(-1) ** -0.5, q.size(-2) // len(mine)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    for rows, cols, diagonal in _blocks(mine, theirs, c, causal):
+    for rows, cols, diagonal, chunks in block_pairs(mine, theirs, c, causal):
         args = (dout[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :])
         g = attention_block_backward(*args, delta[..., rows], lse[..., rows], scale, diagonal)
-        _record_work("backward", c, cols.stop - cols.start, diagonal)
+        _record_work("backward", c, diagonal, chunks)
         dq[..., rows, :] += g[0]
         dkv[0][..., cols, :] += g[1]
         dkv[1][..., cols, :] += g[2]

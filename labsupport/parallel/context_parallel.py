@@ -31,7 +31,12 @@ import torch
 import torch.distributed as dist
 
 from labsupport.comm import p2p, traced
-from labsupport.parallel.blockwise_attention import backward_step, forward_step, merge_attention
+from labsupport.parallel.blockwise_attention import (
+    backward_step,
+    block_pairs,
+    forward_step,
+    merge_attention,
+)
 
 # --------------------------------------------------------------------------- layouts
 
@@ -116,6 +121,22 @@ def gather_sequence(x: torch.Tensor, dim: int, group=None, layout="zigzag") -> t
 # --------------------------------------------------------------------------- the ring
 
 
+def ring_schedule(lay: Layout, causal: bool = True) -> list:
+    """What the ring computes: ``steps[step][rank]`` is ``(src, blocks)``, the rank whose
+    K/V this rank holds at that step and the ``(query chunk, key chunk, kind)`` blocks
+    it computes with them, ``kind`` ``"full"`` or ``"diagonal"`` (the steps
+    :func:`ring_attention` runs; a figure draws them)."""
+    steps = []
+    for step in range(lay.cp):
+        row = []
+        for rank in range(lay.cp):
+            src = (rank - step) % lay.cp
+            found = block_pairs(lay.chunks[rank], lay.chunks[src], 1, causal)
+            row.append((src, [(a, b, "diagonal" if d else "full") for *_, d, (a, b) in found]))
+        steps.append(row)
+    return steps
+
+
 def start_exchange(g: p2p.Group, sends=(), recvs=()):
     """:func:`labsupport.comm.p2p.exchange_many` without the wait: the sends and
     receives are posted as one batch (counted), and the caller waits for the returned
@@ -172,9 +193,9 @@ class _RingAttention(torch.autograd.Function):
                 pending = start_exchange(
                     g, [(kv, (g.me + 1) % g.size)], [(nxt, (g.me - 1) % g.size)]
                 )
-            row_max = forward_step(q, kv, lay.chunks[g.me], lay.chunks[src], causal, state, merge)
+            forward_step(q, kv, lay.chunks[g.me], lay.chunks[src], causal, state, merge)
             if on_step is not None:
-                on_step(step, src, out, lse, row_max)
+                on_step(step, src, out, lse)
             if pending:
                 _wait(pending)
                 kv = nxt
@@ -222,8 +243,8 @@ def ring_attention(
     rank of ``group``): ``q``, ``k``, ``v`` are ``(batch, heads, tokens, head_dim)``
     holding this rank's tokens in ``layout`` (:func:`shard_sequence`); returns this
     rank's tokens of ``softmax(Q·Kᵀ/√d)·V``, with a causal mask if ``causal``. ``merge``
-    combines two blocks' ``(out, lse)``; ``on_step(step, src, out, lse, row_max)`` is
-    called after each step of the ring (a lab draws the steps with it)."""
+    combines two blocks' ``(out, lse)``; ``on_step(step, src, out, lse)`` is called
+    after each step of the ring, ``src`` the rank whose K/V it used (a lab shows them)."""
     g = p2p.Group(group)
     lay = make_layout(layout, g.size)
     check_shapes(q, k, v, lay)
