@@ -23,6 +23,7 @@ Grouped-query attention (fewer K/V heads than query heads) is supported as
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -97,9 +98,11 @@ def attention_block_backward(dout, q, k, v, delta, lse, scale: float, diagonal: 
 @dataclass(eq=False)
 class Work:
     """The score blocks this rank computed, one ``(pass, queries, keys, kind, query
-    chunk, key chunk)`` each, ``kind`` ``"full"`` or ``"diagonal"`` (masked causally)."""
+    chunk, key chunk)`` each, ``kind`` ``"full"`` or ``"diagonal"`` (masked causally),
+    and ``seconds``: the CPU time the computing thread spent in them, per pass."""
 
     blocks: list = field(default_factory=list)
+    seconds: dict = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0})
 
     def scores(self, pass_: str = "forward") -> int:
         """Query-key scores computed in ``pass_`` (``"forward"`` or ``"backward"``)."""
@@ -120,9 +123,11 @@ def count_work():
         _work.remove(work)
 
 
-def _record_work(pass_: str, c: int, diagonal: bool, chunks: tuple) -> None:
+def _record_work(pass_: str, c: int, diagonal: bool, chunks: tuple, start: float) -> None:
+    spent = time.thread_time() - start
     for work in _work:
         work.blocks.append((pass_, c, c, "diagonal" if diagonal else "full", *chunks))
+        work.seconds[pass_] += spent
 
 
 # --------------------------------------------------------------------------- steps
@@ -147,9 +152,9 @@ def forward_step(q, kv, mine, theirs, causal, state, merge=merge_attention):
     out, lse, merged = state
     scale, c = q.size(-1) ** -0.5, q.size(-2) // len(mine)
     for rows, cols, diagonal, chunks in block_pairs(mine, theirs, c, causal):
-        k, v = kv[0][..., cols, :], kv[1][..., cols, :]
+        k, v, start = kv[0][..., cols, :], kv[1][..., cols, :], time.thread_time()
         o, s = attention_block(q[..., rows, :], k, v, scale, diagonal)
-        _record_work("forward", c, diagonal, chunks)
+        _record_work("forward", c, diagonal, chunks, start)
         if merged[rows.start // c]:
             o, s = merge(out[..., rows, :], lse[..., rows], o, s)
         out[..., rows, :], lse[..., rows] = o, s
@@ -165,8 +170,9 @@ def backward_step(dout, q, kv, stats, mine, theirs, causal, dq):
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     for rows, cols, diagonal, chunks in block_pairs(mine, theirs, c, causal):
         args = (dout[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :])
+        start = time.thread_time()
         g = attention_block_backward(*args, delta[..., rows], lse[..., rows], scale, diagonal)
-        _record_work("backward", c, diagonal, chunks)
+        _record_work("backward", c, diagonal, chunks, start)
         dq[..., rows, :] += g[0]
         dkv[0][..., cols, :] += g[1]
         dkv[1][..., cols, :] += g[2]
