@@ -44,23 +44,26 @@ def qkv(seq_len: int, heads: int = 4, kv_heads: int = 4, head_dim: int = 8, seed
     return [torch.randn(s, generator=g).to(device()) for s in shapes]
 
 
-def _close(a, b) -> bool:
-    return bool(torch.allclose(a.detach().cpu(), b.detach().cpu(), **TOL))
+def _close(a, b, tol=None) -> bool:
+    return bool(torch.allclose(a.detach().cpu(), b.detach().cpu(), **(tol or TOL)))
 
 
-def against_sdpa(attend, seq_len: int, causal: bool, layout, kv_heads: int = 4, **kw) -> dict:
+def against_sdpa(attend, seq_len, causal, layout, q_scale=1.0, tol=None, **kw) -> dict:
     """Run ``attend(q, k, v, causal=, layout=, **kw)`` on this rank's tokens, forward
     and backward, and compare its output and gradients with
-    ``scaled_dot_product_attention`` on the whole sequence (run on every rank)."""
-    q, k, v, dout = qkv(seq_len, kv_heads=kv_heads)
+    ``scaled_dot_product_attention`` on the whole sequence (run on every rank), to
+    ``tol`` (:data:`TOL` by default). ``q_scale`` multiplies the queries, and so the
+    scores."""
+    q, k, v, dout = qkv(seq_len)
+    q = q * q_scale
     whole = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(*whole, is_causal=causal, enable_gqa=kv_heads != 4)
+    want = F.scaled_dot_product_attention(*whole, is_causal=causal)
     want.backward(dout)
     mine = [cp.shard_sequence(t, 2, layout=layout).requires_grad_(True) for t in (q, k, v)]
     out = attend(*mine, causal=causal, layout=layout, **kw)
     out.backward(cp.shard_sequence(dout, 2, layout=layout))
     pairs = [(out, want)] + [(a.grad, b.grad) for a, b in zip(mine, whole, strict=True)]
-    same = [_close(got, cp.shard_sequence(w.detach(), 2, layout=layout)) for got, w in pairs]
+    same = [_close(got, cp.shard_sequence(w.detach(), 2, layout=layout), tol) for got, w in pairs]
     return dict(zip(["output", "dq", "dk", "dv"], same, strict=True))
 
 
@@ -114,7 +117,9 @@ def causal_work(seq_len: int = 2048, heads: int = 8, head_dim: int = 32) -> dict
     forward and backward (the computing thread's time, not the wall clock's, which the
     ring's waiting and a busy machine would add to)."""
     found = {}
-    warm = [cp.shard_sequence(t, 2).requires_grad_(True) for t in qkv(64)[:3]]
+    warm = [
+        cp.shard_sequence(t, 2).requires_grad_(True) for t in qkv(8 * dist.get_world_size())[:3]
+    ]
     cp.ring_attention(*warm).sum().backward()
     for layout in ("contiguous", "zigzag"):
         q, k, v, dout = qkv(seq_len, heads, heads, head_dim)
