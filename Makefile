@@ -85,6 +85,7 @@ bench: $(STAMP)
 	$(PY) -m bench.ddp
 	$(PY) -m bench.three_d
 	$(PY) -m bench.zero_memory
+	$(PY) -m bench.context_parallel
 
 # 1,000 launches of a function that does nothing, two busy processes beside them.
 stress: $(STAMP)
