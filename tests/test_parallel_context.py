@@ -54,7 +54,9 @@ def one_case(variant: str, causal: bool, layout: str, kv_heads: int = HEADS, seq
     counted["total"] = sent.bytes_sent + cpv.bytes_per_rank(calls)
     counted["messages"] = len(sent.messages) or len(calls.calls)
     pairs = [(out, want)] + [(a.grad, b.grad) for a, b in zip(mine, whole, strict=True)]
+    gathered = cp.gather_sequence(out.detach(), 2, layout=layout)  # the whole, in order
     return {
+        "gathered": (gathered, want.detach()),
         "case": (variant, causal, layout, kv_heads),
         "pairs": [(got, cp.shard_sequence(w.detach(), 2, layout=layout)) for got, w in pairs],
         "bytes": counted,
@@ -82,6 +84,7 @@ def test_every_variant_equals_sdpa_and_sends_the_formulas_bytes(world):
                 ["out", "dq", "dk", "dv"], rank[case]["pairs"], strict=True
             ):
                 torch.testing.assert_close(got, want, msg=f"{rank[case]['case']} {name}")
+            torch.testing.assert_close(*rank[case]["gathered"])
             formula = est.bytes_per_rank(variant, B, 24, HEADS, kv_heads, D, world)
             assert rank[case]["bytes"]["forward"] == formula["forward"]
             assert rank[case]["bytes"]["total"] == formula["total"]

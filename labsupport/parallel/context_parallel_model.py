@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labsupport.comm import traced
 from labsupport.launch.runtime import device
 from labsupport.models import GPT, GPTConfig
 from labsupport.parallel.context_parallel import make_layout, ring_attention, shard_sequence
@@ -121,8 +122,7 @@ def train(config: dict, cp: int, dp: int, steps: int, batch: int, lr: float = 1e
         loss.backward()
         all_reduce_gradients(model, groups["cp_dp"])  # the mean over every rank's tokens
         optimizer.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=groups["cp_dp"])
+        total = traced.all_reduce(loss.detach().clone(), groups["cp_dp"])
         losses.append(total.item() / (cp * dp))
     where = {"cp_rank": groups["cp_rank"], "dp_rank": groups["dp_rank"]}
     return {"rank": dist.get_rank(), **where, "losses": losses}
