@@ -79,7 +79,7 @@ def ring_steps(seq_len: int = 16, layout: str = "zigzag") -> dict:
     lay = cp.make_layout(layout, world)
     q, k, v, _ = qkv(seq_len)
     position = int(lay.positions(rank, seq_len)[-1])  # this rank's last token
-    scores = (q[0, 0, position] @ k[0, 0].T) * q.size(-1) ** -0.5
+    scores = ((q[0, 0, position] @ k[0, 0].T) * q.size(-1) ** -0.5).cpu()
     mine = [cp.shard_sequence(t, 2, layout=lay) for t in (q, k, v)]
     steps, seen = [], torch.zeros(seq_len, dtype=torch.bool)
 
