@@ -108,6 +108,36 @@ def ring_steps(seq_len: int = 16, layout: str = "zigzag") -> dict:
     return {"steps": steps, "equal": all(check.values()), "position": position}
 
 
+def step_rows(ranks: list) -> list[dict]:
+    """The steps :func:`ring_steps` recorded on every rank, as table rows, step by step:
+    a block is ``query chunk-key chunk``, ``d`` marking a diagonal (masked) block."""
+    steps = sorted((s for r in ranks for s in r["steps"]), key=lambda s: (s["step"], s["rank"]))
+    return [
+        {
+            "step": s["step"],
+            "rank": s["rank"],
+            "K/V of": s["K/V of rank"],
+            "chunks": s["K/V chunks"],
+            "blocks": " ".join(
+                f"{a}-{b}{'d' if k == 'diagonal' else ''}" for a, b, k in s["blocks"]
+            ),
+            "max": f"{s['max']:.3f}",
+            "sum": f"{s['sum']:.3f}",
+            "lse": f"{s['lse']:.3f}",
+        }
+        for s in steps
+    ]
+
+
+def measured_schedule(ranks: list) -> list:
+    """What :func:`ring_steps` counted, shaped as
+    :func:`labsupport.parallel.context_parallel.ring_schedule`: ``[step][rank]`` is
+    ``(src, blocks)``."""
+    by = {(s["step"], s["rank"]): s for r in ranks for s in r["steps"]}
+    n = len(ranks)
+    return [[(by[i, r]["K/V of rank"], by[i, r]["blocks"]) for r in range(n)] for i in range(n)]
+
+
 # --------------------------------------------------------------------------- the work
 
 
