@@ -13,9 +13,9 @@ sequence for the heads (Ulysses).
   (``scaled_dot_product_attention``), and a second all-to-all turns the output back.
   ``cp`` must divide the number of heads, K/V heads included.
 * :func:`all_to_all`: the collective Ulysses needs, recorded in
-  :mod:`labsupport.comm.traced`'s trace as ``"all_to_all"``; :func:`bytes_per_rank`
-  counts it with the other collectives (each rank keeps ``1/N`` of its tensor and sends
-  the rest).
+  :mod:`labsupport.comm.traced`'s trace as ``"all_to_all"`` with the bytes this rank
+  sends to the others (``(N-1)/N`` of its tensor: its own piece stays);
+  :func:`bytes_per_rank` counts it with the other collectives.
 
 The ring is :func:`labsupport.parallel.context_parallel.ring_attention`; all three take
 the same arguments and give the same result.
@@ -91,7 +91,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group=None) -
         )
     send = torch.stack(x.chunk(world, scatter_dim)).contiguous()
     received = torch.empty_like(send)
-    traced._record("all_to_all", send.numel() * send.element_size(), group)
+    sent = send.numel() * send.element_size() * (world - 1) // world  # its own piece stays
+    traced._record("all_to_all", sent, group)
     dist.all_to_all_single(received, send, group=group)
     return torch.cat(received.unbind(0), dim=gather_dim)
 
@@ -138,8 +139,8 @@ def ulysses_attention(q, k, v, group=None, causal: bool = True, layout="zigzag")
 
 
 def bytes_per_rank(trace: traced.Trace) -> float:
-    """:func:`labsupport.comm.traced.bytes_per_rank`, all-to-alls included: each sends
-    ``(N-1)/N`` of the tensor a rank holds (its own piece stays)."""
+    """:func:`labsupport.comm.traced.bytes_per_rank`, all-to-alls included: an
+    all-to-all is recorded with the bytes this rank sends to the others."""
     others = traced.Trace([c for c in trace.calls if c[0] != "all_to_all"])
-    spread = sum((n - 1) / n * size for name, size, n in trace.calls if name == "all_to_all")
-    return traced.bytes_per_rank(others) + spread
+    sent = sum(size for name, size, _ in trace.calls if name == "all_to_all")
+    return traced.bytes_per_rank(others) + sent
