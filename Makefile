@@ -89,6 +89,7 @@ bench: $(STAMP)
 	$(PY) -m bench.ddp
 	$(PY) -m bench.three_d
 	$(PY) -m bench.zero_memory
+	$(PY) -m bench.context_parallel
 	$(PY) -m bench.expert_parallel
 
 # The CUDA path on a machine with a GPU: every strategy on one rank over NCCL, the

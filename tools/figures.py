@@ -21,7 +21,9 @@ from labsupport.labs import lab04_checkpointing, lab07_collectives, lab18_moe
 from labsupport.labs.lab06_launching import global_rank
 from labsupport.labs.lab15_megatron import bloom_stack_figure
 from labsupport.models import MLPStack
+from labsupport.parallel.context_parallel import Layout, ring_schedule
 from labsupport.viz import clusters, collectives, dtypes, one_device, ranks, roofline, walls
+from labsupport.viz import context_parallel as cp_figures
 from labsupport.viz import data_parallel as dp_figures
 from labsupport.viz import expert_parallel as ep_figures
 from labsupport.viz import parameter_server as ps_figures
@@ -134,6 +136,10 @@ FIGURES = {
         layer_costs(), "GPT-3 175B on H100s, per GPU (modelled, not measured)"
     ),
     "12-activations.png": tp_figures.draw_activations,
+    "17-balance.png": cp_figures.balance_figure,
+    "17-ring.png": lambda: cp_figures.ring_steps_figure(ring_schedule(Layout.zigzag(4)), 8),
+    "17-variants.png": cp_figures.variants_figure,
+    "17-memory.png": cp_figures.memory_figure,
     "18-params.png": total_and_active,
     "18-imbalance.png": rows_per_expert,
     "18-dispatch.png": dispatch,

@@ -20,6 +20,12 @@ Options the chapters need, in :class:`GPTConfig`:
 * ``moe=MoEConfig(...)`` replaces every block's MLP by a mixture of experts whose experts
   are that MLP (:mod:`labsupport.models.moe`; chapter 18).
 
+A parallel strategy may replace the attention core of a block: setting
+``block.attn.attention_fn = fn`` makes :meth:`CausalSelfAttention.core` return
+``fn(q, k, v)`` (context parallelism does, :mod:`labsupport.parallel.context_parallel_model`),
+and :meth:`GPT.embed` takes the positions of the tokens it is given when they are not
+``0, 1, 2, ...`` (a rank holding part of each sequence).
+
 The forward pass is :meth:`GPT.embed`, then :meth:`GPT.run_block` for each block, then
 :meth:`GPT.head`: the pieces a pipeline stage or a per-layer measurement needs.
 
@@ -92,12 +98,15 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.attention_fn = None  # fn(q, k, v): a parallel strategy's attention core
         if config.attention == "math":  # the causal mask: True above the diagonal
             future = torch.ones(config.block_size, config.block_size, dtype=torch.bool).triu(1)
             self.register_buffer("future", future, persistent=False)
 
     def core(self, q, k, v):
         """``softmax(Q·Kᵀ/√d, causal)·V``: what selective recomputation recomputes."""
+        if self.attention_fn is not None:
+            return self.attention_fn(q, k, v)
         if self.config.attention == "sdpa":
             p = self.config.dropout if self.training else 0.0
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
@@ -178,12 +187,14 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def embed(self, idx):
-        """Token plus position embeddings of the ids ``idx`` (batch x time), with dropout."""
+    def embed(self, idx, pos=None):
+        """Token plus position embeddings of the ids ``idx`` (batch x time), with dropout;
+        ``pos``: the tokens' positions, ``0, 1, 2, ...`` if not given."""
         t = idx.size(1)
         if t > self.config.block_size:
             raise ValueError(f"a sequence of {t} tokens is longer than block_size")
-        pos = torch.arange(t, device=idx.device)
+        if pos is None:
+            pos = torch.arange(t, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def run_block(self, block: Block, x):
