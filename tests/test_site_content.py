@@ -131,3 +131,20 @@ def test_an_empty_output_is_found(tmp_path):
 def test_no_lab_stores_an_empty_output():
     found = {lab.name: empty_outputs(lab) for lab in LABS}
     assert {name: cells for name, cells in found.items() if cells} == {}
+
+
+def test_the_sites_chinese_font_has_every_chinese_character_of_the_site():
+    from fontTools.ttLib import TTFont
+
+    from tools import cjk_font
+
+    served = set(map(chr, TTFont(cjk_font.OUT).getBestCmap()))
+    missing = cjk_font.site_characters() - served
+    assert not missing, (
+        f"{''.join(sorted(missing))}: not in {cjk_font.OUT.name}; run `python -m "
+        "tools.cjk_font` (its docstring says where the font comes from) and commit the result"
+    )
+    assert cjk_font.OUT.stat().st_size < 100_000
+    css = (ROOT / "_assets" / "course.css").read_text()
+    ranges = ", ".join(f"U+{lo:04X}-{hi:04X}" for lo, hi in cjk_font.CJK_RANGES)
+    assert f"unicode-range: {ranges};" in css, "the CSS loads the font for other characters"

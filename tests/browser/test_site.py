@@ -278,3 +278,40 @@ def test_no_table_or_code_is_cut_on_a_wide_screen(wide, site_url, path):
     wide.goto(f"{site_url}/{path}.html", wait_until="networkidle")
     cut = wide.evaluate(CUT)
     assert cut == [], f"{path}:\n" + "\n".join(cut)
+
+
+# Each Chinese character of the glossary drawn alone, in the font the page gives its cell
+# and in the site's own Chinese font: how many different drawings the page's font makes
+# (a missing glyph is the same empty box for every character), and whether they are the
+# site font's.
+CHINESE_GLYPHS = """async () => {
+  await document.fonts.ready;
+  const cells = [...document.querySelectorAll("main table tbody td:nth-child(2)")];
+  const chars = [...new Set(cells.flatMap(c => [...c.innerText]))]
+    .filter(ch => /[\\u3400-\\u9fff]/.test(ch));
+  const canvas = document.createElement("canvas");
+  canvas.width = canvas.height = 48;
+  const ctx = canvas.getContext("2d", {willReadFrequently: true});
+  const draw = (ch, font) => {
+    ctx.clearRect(0, 0, 48, 48);
+    ctx.font = font;
+    ctx.fillText(ch, 4, 38);
+    return ctx.getImageData(0, 0, 48, 48).data.join();
+  };
+  const page = "32px " + getComputedStyle(cells[0]).fontFamily;
+  const drawn = chars.map(ch => draw(ch, page));
+  return {
+    characters: chars.length,
+    different: new Set(drawn).size,
+    site_font: chars.every((ch, i) => drawn[i] === draw(ch, '32px "Course CJK"')),
+  };
+}"""
+
+
+def test_the_glossarys_chinese_is_drawn_from_the_sites_font(page, site_url):
+    page.goto(f"{site_url}/glossary.html", wait_until="networkidle")
+    glyphs = page.evaluate(CHINESE_GLYPHS)
+    assert glyphs["characters"] > 200
+    assert glyphs["different"] == glyphs["characters"], f"empty boxes: {glyphs}"
+    assert glyphs["site_font"], glyphs
+    assert page.problems == [], "\n".join(page.problems)
