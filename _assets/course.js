@@ -37,3 +37,25 @@ document.addEventListener("DOMContentLoaded", () => {
     });
   }
 });
+
+/* Search results quote each page's text, and with it the TeX of its formulas, "\(m\)":
+ * MathJax typesets the math on the pages, not in the quotes. On the search page, MathJax
+ * (which ships with the site) typesets each quote as it arrives.
+ */
+const courseStatic = document.currentScript.src.replace(/course\.js[^/]*$/, "");
+document.addEventListener("DOMContentLoaded", () => {
+  const results = document.getElementById("search-results");
+  if (!results) return;
+  const typeset = () => {
+    const quotes = [...results.querySelectorAll("p.context:not([data-typeset])")];
+    if (quotes.length === 0 || !window.MathJax.typesetPromise) return;
+    quotes.forEach((quote) => (quote.dataset.typeset = ""));
+    window.MathJax.typesetPromise(quotes);
+  };
+  window.MathJax = { startup: { typeset: false } };
+  const mathjax = document.createElement("script");
+  mathjax.src = courseStatic + "mathjax/tex-svg.js";
+  mathjax.onload = () => window.MathJax.startup.promise.then(typeset);
+  document.head.appendChild(mathjax);
+  new MutationObserver(typeset).observe(results, { childList: true, subtree: true });
+});

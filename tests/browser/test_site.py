@@ -315,3 +315,31 @@ def test_the_glossarys_chinese_is_drawn_from_the_sites_font(page, site_url):
     assert glyphs["different"] == glyphs["characters"], f"empty boxes: {glyphs}"
     assert glyphs["site_font"], glyphs
     assert page.problems == [], "\n".join(page.problems)
+
+
+def test_search_puts_the_chapter_first_and_typesets_the_quotes(page, site_url):
+    page.goto(f"{site_url}/search.html?q=ZeRO", wait_until="networkidle")
+    results = page.locator("ul.search li")
+    results.first.wait_for(timeout=15000)
+    first = results.first.locator("a").first
+    assert first.inner_text() == "ZeRO and FSDP"
+    assert first.get_attribute("href").startswith("chapters/14-zero.html")
+    page.goto(f"{site_url}/search.html?q=bubble", wait_until="networkidle")
+    quotes = page.locator("ul.search li p.context")
+    quotes.first.wait_for(timeout=15000)
+    expect(page.locator("ul.search li p.context mjx-container").first).to_be_attached()
+    page.wait_for_function(
+        "() => ![...document.querySelectorAll('ul.search li p.context')]"
+        ".some(p => p.textContent.includes('\\\\('))",
+        timeout=15000,
+    )
+    assert page.problems == [], "\n".join(page.problems)
+
+
+@pytest.mark.parametrize("lab", ["03-walls", "13-hybrid-parallel"])
+def test_a_labs_explorer_says_it_is_live_in_jupyterlab(page, site_url, lab):
+    page.goto(f"{site_url}/labs/{lab}.html", wait_until="networkidle")
+    note = page.locator(".cell_output", has_text="explorer: a live widget (run this cell in")
+    expect(note).to_have_count(1)
+    expect(note).to_be_visible()
+    assert page.problems == [], "\n".join(page.problems)
