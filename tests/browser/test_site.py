@@ -343,3 +343,22 @@ def test_a_labs_explorer_says_it_is_live_in_jupyterlab(page, site_url, lab):
     expect(note).to_have_count(1)
     expect(note).to_be_visible()
     assert page.problems == [], "\n".join(page.problems)
+
+
+def test_figures_are_shown_as_wide_as_tools_figures_assumes(page, site_url):
+    """tools.figures sizes the figures' text for these widths and this small print."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from tools.figures import PAGE_PX, SMALL_PRINT_PX, shown_widths
+
+    widths = shown_widths()
+    page.set_viewport_size({"width": 1280, "height": 800})
+    for chapter in sorted({"chapters/11-pipeline-parallel", "chapters/14-zero"}):
+        page.goto(f"{site_url}/{chapter}.html", wait_until="networkidle")
+        for img in page.locator("main figure img").all():
+            name = img.get_attribute("src").rsplit("/", 1)[-1]
+            assert abs(img.bounding_box()["width"] - widths[name]) <= 2, name
+        code = page.locator("main code.literal").first
+        assert code.evaluate("c => getComputedStyle(c).fontSize") == f"{SMALL_PRINT_PX}px"
+    assert widths["11-schedules.png"] == PAGE_PX
