@@ -3,6 +3,8 @@ tables, and the decorator that turns a checker into an exercise."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch.distributed as dist
 
@@ -73,6 +75,60 @@ def test_an_exercise_on_ranks_tells_a_stub_from_a_failure(capsys):
         check_on_ranks(broken_on_rank_one)
 
 
+def shown(exc: BaseException) -> str:
+    """What IPython shows for ``exc``: its ``_render_traceback_``, without colours."""
+    assert hasattr(exc, "_render_traceback_"), "IPython would show the whole traceback"
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(exc._render_traceback_()))
+
+
+@cells.exercise
+def check_square(fn) -> str:
+    """A checker that says what is wrong and hints at the fix, as the labs' do."""
+    for x in (0, 1, 3):
+        got = round(fn(x), 6)
+        if got != x * x:
+            hint = "that is 2x: multiply x by itself" if got == 2 * x else "multiply x by itself"
+            raise AssertionError(f"x={x}: got {got}, expected {x * x}; {hint}")
+    return "fn(x) = x²"
+
+
+def test_a_wrong_answer_shows_the_verdict_alone():
+    def doubled(x):
+        return 2 * x
+
+    with pytest.raises(AssertionError, match="x=1: got 2, expected 1") as raised:
+        check_square(doubled)
+    assert shown(raised.value).splitlines() == [
+        "Not right yet: x=1: got 2, expected 1; that is 2x: multiply x by itself",
+        "Change doubled() above, run its cell, then this one again.",
+    ]
+
+
+def test_an_error_in_the_learners_code_shows_only_the_learners_frames():
+    def lookup(x):
+        return {}[x]
+
+    with pytest.raises(KeyError) as raised:
+        check_square(lookup)
+    text = shown(raised.value)
+    assert text.startswith("check_square() ran your lookup(), which raised:\n")
+    assert "return {}[x]" in text and text.rstrip().endswith("KeyError: 0")
+    assert "labsupport" not in text and "round(fn(x), 6)" not in text, text
+
+
+def test_an_answer_the_checker_cannot_use_is_a_verdict_too():
+    def nothing(x):
+        return None
+
+    with pytest.raises(TypeError) as raised:
+        check_square(nothing)
+    assert shown(raised.value).splitlines() == [
+        "Not right yet: check_square() could not use what nothing() gave it: "
+        "TypeError: type NoneType doesn't define __round__ method",
+        "Change nothing() above, run its cell, then this one again.",
+    ]
+
+
 def test_a_checkers_result_prints_nothing_in_a_notebook():
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -80,3 +136,44 @@ def test_a_checkers_result_prints_nothing_in_a_notebook():
     for passed in (True, False):
         assert shell.display_formatter.format(cells.Checked(passed)) == ({}, {})
     assert repr(cells.Checked(False)) == "Checked(passed=False)"
+
+
+def test_a_real_kernel_shows_the_verdict_and_only_the_learners_frames():
+    from jupyter_client.manager import start_new_kernel
+
+    manager, client = start_new_kernel(kernel_name="python3")
+    try:
+
+        def run(code: str) -> list[str]:
+            """The cell's error output, as JupyterLab shows it (colours removed)."""
+            errors = []
+            client.execute_interactive(
+                code,
+                timeout=60,
+                output_hook=lambda msg: (
+                    errors.append(msg["content"]) if msg["msg_type"] == "error" else None
+                ),
+            )
+            assert len(errors) == 1
+            return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(errors[0]["traceback"])).splitlines()
+
+        client.execute_interactive("from labsupport.labs import lab14_zero as lab", timeout=60)
+        shown = run(
+            "def state_bytes(n, stage, dp):\n    return 16 * n\nlab.check_state_bytes(state_bytes)"
+        )
+        assert shown == [
+            "Not right yet: num_params=7.5e+09, stage=1, dp=64: got 1.2e+11 bytes, expected "
+            "3.14062e+10 (sharding divides some of the states by dp)",
+            "Change state_bytes() above, run its cell, then this one again.",
+        ]
+        shown = run(
+            "def state_bytes(n, stage, dp):\n"
+            "    return {}[stage]\n"
+            "lab.check_state_bytes(state_bytes)"
+        )
+        assert shown[0] == "check_state_bytes() ran your state_bytes(), which raised:"
+        assert "----> 2     return {}[stage]" in shown and shown[-1] == "KeyError: 0"
+        assert not any("labsupport" in line for line in shown), shown
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)

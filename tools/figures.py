@@ -8,11 +8,13 @@ did (a test checks that the committed files match).
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.text import Text
 
 from labsupport import launch
 from labsupport.estimate import moe as moe_estimate
@@ -144,6 +146,43 @@ FIGURES = {
     "18-imbalance.png": rows_per_expert,
     "18-dispatch.png": dispatch,
 }
+
+
+# --------------------------------------------------------------------------- text size
+
+#: The page's small print, in CSS pixels: its code, inline and in blocks (0.875 x 16 px).
+SMALL_PRINT_PX = 14
+#: How wide a chapter figure is drawn at ``:width: 100%`` in a 1280 px window: the book
+#: theme's text column (676 px) less the figure's margins. tests/browser/test_site.py
+#: checks both numbers on the built site.
+PAGE_PX = 660
+CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
+
+
+def shown_widths() -> dict[str, float]:
+    """Each chapter figure's width on the page, in CSS pixels at a 1280 px window, from
+    its ``{figure}`` directive's ``:width:`` (100 % without one)."""
+    found = {}
+    for chapter in sorted(CHAPTERS.glob("*.md")):
+        for m in re.finditer(r"```\{figure\} figures/(\S+)\n((?::.*\n)*)", chapter.read_text()):
+            width = re.search(r"^:width: (\d+)%", m.group(2), re.MULTILINE)
+            found[m.group(1)] = PAGE_PX * (int(width.group(1)) if width else 100) / 100
+    return found
+
+
+def text_on_the_page(fig, png_px: int, shown_px: float) -> list[tuple[float, str]]:
+    """Every piece of text ``fig`` draws, as ``(size in CSS px, text)`` when its PNG,
+    ``png_px`` wide, is shown ``shown_px`` wide: points at the figure's dpi, scaled."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    scale = fig.dpi / 72 * shown_px / png_px
+    return [
+        (text.get_fontsize() * scale, text.get_text())
+        for text in fig.findobj(Text)
+        if text.get_visible()
+        and text.get_text().strip()
+        and text.get_window_extent(renderer).width > 0
+    ]
 
 
 def save(fig, path: Path) -> None:

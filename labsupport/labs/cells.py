@@ -4,14 +4,19 @@
   that could drift from it;
 * :func:`format_table`: rows of dicts (one per rank, usually) as fixed-width text;
 * :func:`exercise`: turns a checker into one that says "not attempted yet" for the stub
-  a lab gives the learner, and "correct" (without giving the answer away) or a message
-  that says what is wrong, for an attempt.
+  a lab gives the learner, and "correct" (without giving the answer away) or a short
+  verdict that says what is wrong, for an attempt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import os
+import sysconfig
+import traceback
+from pathlib import Path
 
 from labsupport.launch.errors import LaunchError
 
@@ -60,15 +65,80 @@ class Checked:
         pass
 
 
+# Where library code lives: labsupport, the standard library, installed packages.
+_LIBRARY = tuple(
+    os.path.realpath(path) + os.sep
+    for path in {
+        str(Path(__file__).resolve().parents[1]),
+        *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
+    }
+)
+
+
+def _learners_traceback(exc: BaseException, fn, check):
+    """The part of ``exc``'s traceback from the first frame of the learner's code on, or
+    ``None`` when the exception never passed through it. The learner's code is ``fn``
+    itself, and any code outside the library and the checker's own module (a notebook's
+    cells, the learner's modules)."""
+    own = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    checkers = os.path.realpath(inspect.getsourcefile(check) or "")
+
+    def learners(code) -> bool:
+        if code is own:
+            return True
+        if code.co_filename.startswith("<"):  # "<frozen ...>" is Python's own
+            return not code.co_filename.startswith("<frozen")
+        path = os.path.realpath(code.co_filename)
+        return path != checkers and not path.startswith(_LIBRARY)
+
+    tb = exc.__traceback__
+    while tb is not None and not learners(tb.tb_frame.f_code):
+        tb = tb.tb_next
+    return tb
+
+
+def _show_learners_traceback(exc: BaseException, tb, heading: str) -> list[str]:
+    """IPython's rendering of ``exc`` with only the learner's frames, under ``heading``."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        return [heading, *traceback.format_exception(type(exc), exc, tb)]
+    return [heading, *shell.InteractiveTB.structured_traceback(type(exc), exc, tb)]
+
+
+def _as_verdict(exc: Exception, fn, check) -> None:
+    """Make IPython show ``exc``, raised while ``check`` checked the learner's ``fn``, as
+    a verdict (IPython's ``_render_traceback_`` hook, which the launcher's errors use
+    too): what is wrong and what to do, without the frames of the checker and the lab
+    module; a traceback only where the learner's own code raised."""
+    learners = _learners_traceback(exc, fn, check)
+    name, check = getattr(fn, "__name__", "your function"), check.__name__
+    again = f"Change {name}() above, run its cell, then this one again."
+    if learners is not None:
+        heading = f"{check}() ran your {name}(), which raised:"
+        render = functools.partial(_show_learners_traceback, exc, learners, heading)
+    elif isinstance(exc, AssertionError):
+        render = functools.partial(list, [f"\x1b[31mNot right yet\x1b[39m: {exc}", again])
+    else:  # the checker could not use what the learner's function gave it
+        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        verdict = f"{check}() could not use what {name}() gave it: {summary}"
+        render = functools.partial(list, [f"\x1b[31mNot right yet\x1b[39m: {verdict}", again])
+    with contextlib.suppress(AttributeError):  # no instance attributes: shown as it is
+        exc._render_traceback_ = render
+
+
 def exercise(check):
     """Decorate ``check(fn, ...)``, a checker that asserts on ``fn`` and returns a short
     description of what it checked.
 
-    The decorated checker prints ``Correct: <description>`` when every assertion holds;
-    lets an ``AssertionError`` through when one fails (its message says what is wrong);
-    and prints ``Not attempted yet`` when ``fn`` is the stub a lab gives the learner,
-    whose body raises ``NotImplementedError``. It returns a :class:`Checked`, true when
-    ``fn`` passed.
+    The decorated checker prints ``Correct: <description>`` when every assertion holds,
+    and ``Not attempted yet`` when ``fn`` is the stub a lab gives the learner, whose body
+    raises ``NotImplementedError``; it returns a :class:`Checked`, true when ``fn``
+    passed. A wrong answer raises, so that Run All stops there and a test sees an
+    ``AssertionError`` whose message says what is wrong; a notebook shows that message
+    and what to do next, without the frames of the checker and the lab module. An error
+    from the learner's own code shows its traceback from the learner's first frame on.
     """
 
     @functools.wraps(check)
@@ -78,9 +148,12 @@ def exercise(check):
             checked = check(fn, *args, **kwargs)
         except (NotImplementedError, LaunchError) as exc:
             if not _not_attempted(exc):
-                raise
+                raise  # a rank's error: the launcher shows the rank's own traceback
             print(f"Not attempted yet: write the body of {name}() above, then run this cell.")
             return Checked(False)
+        except Exception as exc:
+            _as_verdict(exc, fn, check)
+            raise
         print(f"Correct: {checked}")
         return Checked(True)
 

@@ -11,7 +11,7 @@ from matplotlib.patches import FancyBboxPatch
 from labsupport.comm.cost import half_bandwidth_size, p2p_time
 from labsupport.estimate import datasheets
 from labsupport.estimate.units import format_bytes
-from labsupport.viz.style import figure, rank_color
+from labsupport.viz.style import PAGE_WIDTH, SMALL, figure, rank_color
 
 
 def plot_fit(results: list[dict], alpha: float, beta: float, ax=None, title: str | None = None):
@@ -57,7 +57,7 @@ def plot_fit(results: list[dict], alpha: float, beta: float, ax=None, title: str
             (n_half, alpha * 1e6 * 0.55),
             xytext=(6, 0),
             textcoords="offset points",
-            fontsize=9,
+            fontsize=SMALL,
             color="#555555",
         )
     ax.set_xscale("log", base=2)
@@ -69,7 +69,7 @@ def plot_fit(results: list[dict], alpha: float, beta: float, ax=None, title: str
     )
     ax.set_xlabel("message size n")
     ax.set_ylabel("one-way time (µs)")
-    ax.legend(fontsize=8, loc="upper left", frameon=False)
+    ax.legend(fontsize=SMALL, loc="upper left", frameon=False)
     ax.set_title(title or "Ping-pong: measured against the α-β model")
     return ax
 
@@ -86,8 +86,8 @@ def alpha_beta_regimes():
         ("NVLink 4: 450 GB/s each way", datasheets.beta("NVLink 4 (H100)"), "#777777", "--"),
     ]
     n = np.geomspace(1, 1e11, 400)
-    fig, left = figure(9.5, 3.6)
-    grid = fig.add_gridspec(1, 2, wspace=0.3)
+    fig, left = figure(PAGE_WIDTH, 7.4)
+    grid = fig.add_gridspec(2, 1, hspace=0.35)
     left.set_subplotspec(grid[0])
     right = fig.add_subplot(grid[1])
     for label, link_beta, color, style in links:
@@ -103,14 +103,14 @@ def alpha_beta_regimes():
             (half, 0.5 / link_beta / 1e9),
             xytext=(8, -4),
             textcoords="offset points",
-            fontsize=8,
+            fontsize=SMALL,
             color=color,
         )
     beta_ndr = links[0][1]
     half_ndr = half_bandwidth_size(alpha, beta_ndr)
     left.axvspan(1, half_ndr, color="#f0f0f0", zorder=0)
-    left.text(30, 2e-4, "latency-bound\nt ≈ α", fontsize=9, color="#555555")
-    left.text(1.2e8, 1.5e-5, "bandwidth-bound\nt ≈ βn", fontsize=9, color="#555555")
+    left.text(30, 2e-4, "latency-bound\nt ≈ α", fontsize=SMALL, color="#555555")
+    left.text(1.2e8, 1.5e-5, "bandwidth-bound\nt ≈ βn", fontsize=SMALL, color="#555555")
     left.axhline(alpha, color="#bbbbbb", lw=0.8, ls=":")
     left.set_xscale("log")
     left.set_yscale("log")
@@ -118,7 +118,7 @@ def alpha_beta_regimes():
     left.set_xlabel("message size n (bytes)")
     left.set_ylabel("time t = α + βn (s)")
     left.set_title("Time per message (α = 5 µs assumed)")
-    left.legend(fontsize=8, loc="upper left", frameon=False)
+    left.legend(fontsize=SMALL, loc="upper left", frameon=False)
     right.set_xscale("log")
     right.set_yscale("log")
     right.set_ylim(1e-5, 2000)

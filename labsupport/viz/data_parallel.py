@@ -9,7 +9,7 @@ import torch
 from labsupport.estimate.overlap import overlap_schedule
 from labsupport.models.gpt import GPT, GPT2_SMALL
 from labsupport.parallel.data_parallel import make_buckets
-from labsupport.viz.style import figure, rank_color, subplots
+from labsupport.viz.style import SMALL, figure, rank_color, subplots
 
 COMPUTE, COMM, WAIT = "#555555", rank_color(0), "#bbbbbb"
 
@@ -37,7 +37,7 @@ def draw_lanes(panels: dict, xlabel: str = "milliseconds since the step started"
                     )
                 else:
                     ax.plot([start, start], [y - 0.31, y + 0.31], color=color, lw=1.2)
-        ax.set_yticks(range(len(names)), list(reversed(names)), fontsize=8)
+        ax.set_yticks(range(len(names)), list(reversed(names)), fontsize=SMALL)
         ax.set_ylim(-0.6, len(names) - 0.4)
         ax.set_title(title, loc="left")
     axes[-1, 0].set_xlabel(xlabel)
@@ -83,7 +83,7 @@ def draw_bucket_sweep(caps_mb, measured_s, predicted_s, compute_s: float):
     ax.axhline(compute_s * 1e3, color="#999999", ls=":", lw=1, label="no communication")
     ax.set_xlabel("bucket_cap_mb (MiB)")
     ax.set_ylabel("one training step (ms)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=SMALL)
     fig.tight_layout()
     return fig
 

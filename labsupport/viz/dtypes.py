@@ -7,14 +7,15 @@ import math
 import matplotlib.pyplot as plt
 
 from labsupport.estimate.dtypes import FORMATS
-from labsupport.viz.style import figure, rank_color, subplots
+from labsupport.viz.style import PAGE_WIDTH, SMALL, figure, rank_color, subplots
 
 FIELD_COLORS = {"sign": "#D55E00", "exponent": "#0072B2", "mantissa": "#E69F00"}
 
 
 def dtype_layouts(names=("fp32", "tf32", "bf16", "fp16", "fp8 e5m2", "fp8 e4m3")):
     """Chapter 2: the sign, exponent and mantissa fields of each format, one bit per box."""
-    fig, ax = figure(9.5, 0.62 * len(names) + 0.9)
+    fig, ax = figure(PAGE_WIDTH, 0.55 * len(names) + 0.6)
+    fig.subplots_adjust(left=0.4, right=0.99, bottom=0.02, top=0.86)
     for row, name in enumerate(names):
         f = FORMATS[name]
         y = len(names) - 1 - row
@@ -40,13 +41,13 @@ def dtype_layouts(names=("fp32", "tf32", "bf16", "fp16", "fp8 e5m2", "fp8 e4m3")
                     str(width),
                     ha="center",
                     va="center",
-                    fontsize=8,
+                    fontsize=SMALL,
                     color="white" if field == "exponent" else "black",
                 )
         label = f"{name}  ({f.bits} bits)" if name != "tf32" else "tf32  (19 bits, in 32)"
-        ax.text(-0.6, y + 0.35, label, ha="right", va="center", fontsize=9)
+        ax.text(-0.8, y + 0.55, label, ha="right", va="center", fontsize=SMALL)
         note = f"max {f.max:.6g}, eps 2^-{f.mantissa}"
-        ax.text(33, y + 0.35, note, ha="left", va="center", fontsize=8, color="#444444")
+        ax.text(-0.8, y + 0.1, note, ha="right", va="center", fontsize=SMALL, color="#444444")
     handles = [
         plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black") for c in FIELD_COLORS.values()
     ]
@@ -56,12 +57,11 @@ def dtype_layouts(names=("fp32", "tf32", "bf16", "fp16", "fp8 e5m2", "fp8 e4m3")
         ncol=3,
         loc="lower center",
         frameon=False,
-        bbox_to_anchor=(0.45, 1.0),
-        fontsize=9,
+        bbox_to_anchor=(0.5, 1.0),
+        fontsize=SMALL,
     )
-    ax.set_xlim(-9, 44)
+    ax.set_xlim(-0.2, 32.2)
     ax.set_ylim(-0.2, len(names))
-    ax.set_aspect("equal")
     ax.axis("off")
     return fig
 
@@ -69,7 +69,7 @@ def dtype_layouts(names=("fp32", "tf32", "bf16", "fp16", "fp8 e5m2", "fp8 e4m3")
 def range_and_precision(names=("fp32", "bf16", "fp16", "fp8 e5m2", "fp8 e4m3")):
     """Chapter 2: the magnitudes each format holds (log2 scale), subnormals lighter, with
     a gradient of 1e-8 and a value of 70,000 marked."""
-    fig, ax = figure(8.5, 0.55 * len(names) + 1.2)
+    fig, ax = figure(0.85 * PAGE_WIDTH, 0.55 * len(names) + 1.4)
     for row, name in enumerate(names):
         f = FORMATS[name]
         y = len(names) - 1 - row
@@ -82,17 +82,17 @@ def range_and_precision(names=("fp32", "bf16", "fp16", "fp8 e5m2", "fp8 e4m3")):
             y,
             f"{f.smallest_subnormal:.1e} … {f.max:.3g}",
             va="center",
-            fontsize=8,
+            fontsize=SMALL,
         )
-    for value, label in ((1e-8, "gradient 1e-8"), (7e4, "70,000")):
+    for value, label, side in ((1e-8, "gradient 1e-8 ", "right"), (7e4, " 70,000", "left")):
         ax.axvline(math.log2(value), color="black", lw=1, ls="--")
-        ax.text(math.log2(value) + 2, -0.75, label, ha="left", fontsize=8)
+        ax.text(math.log2(value), -0.75, label, ha=side, fontsize=SMALL)
     ax.set_ylim(-0.9, len(names) - 0.5)
     ax.set_yticks(range(len(names)), list(reversed(names)))
     ax.set_xlim(-155, 185)
     ax.set_xticks(range(-150, 151, 50), [f"$2^{{{k}}}$" for k in range(-150, 151, 50)])
-    ax.set_xlabel("magnitude (log scale); light: subnormal numbers, fewer significant bits")
-    ax.set_title("Range of each format: fp16 loses both marked values, bf16 keeps them")
+    ax.set_xlabel("magnitude (log scale); light: subnormal numbers,\nfewer significant bits")
+    ax.set_title("Range of each format: fp16 loses both marked values,\nbf16 keeps them")
     return fig
 
 
@@ -106,7 +106,9 @@ def plot_loss_scaling(rows: list[dict], title: str = "fp16, gradients scaled by 
     k = [r["log2 scale"] for r in rows]
     left.plot(k, [r["median rel. error"] for r in rows], "o-", color=rank_color(0))
     left.axhline(2.0**-11, color="#999999", ls=":", lw=1)
-    left.text(k[-1], 2.0**-11 * 1.3, "2^-11: fp16's largest rounding error", ha="right", fontsize=8)
+    left.text(
+        k[-1], 2.0**-11 * 1.3, "2^-11: fp16's largest rounding error", ha="right", fontsize=SMALL
+    )
     left.set_yscale("log")
     left.set_xlabel("log2 of the loss scale")
     left.set_ylabel("median relative error")
@@ -116,6 +118,6 @@ def plot_loss_scaling(rows: list[dict], title: str = "fp16, gradients scaled by 
     right.set_yscale("symlog", linthresh=0.01)
     right.set_xlabel("log2 of the loss scale")
     right.set_ylabel("% of nonzero gradients")
-    right.legend(frameon=False, fontsize=8)
+    right.legend(frameon=False, fontsize=SMALL)
     fig.suptitle(title)
     return fig

@@ -6,7 +6,7 @@ from __future__ import annotations
 from matplotlib.patches import FancyBboxPatch
 
 from labsupport.estimate.memory import checkpoint_peak_bytes, checkpoint_saved_bytes
-from labsupport.viz.style import figure, rank_color
+from labsupport.viz.style import PAGE_WIDTH, SMALL, figure, rank_color
 
 
 def draw_checkpoint_memory(measured: dict, layers: int, batch: int, d: int):
@@ -19,7 +19,7 @@ def draw_checkpoint_memory(measured: dict, layers: int, batch: int, d: int):
     """
     unit = batch * d * 4
     cases = list(measured)
-    fig, ax = figure(7.5, 3.4)
+    fig, ax = figure(0.9 * PAGE_WIDTH, 3.6)
     labels = ["none" if c is None else str(c) for c in cases]
     pos = range(len(cases))
     ax.bar(
@@ -41,80 +41,71 @@ def draw_checkpoint_memory(measured: dict, layers: int, batch: int, d: int):
     ax.plot([p - 0.2 for p in pos], kept, "k_", ms=22, mew=2, label="formula: kept (L/c)")
     ax.plot([p + 0.2 for p in pos], peak, "k.", ms=9, label="formula: peak (L/c + 9c)")
     ax.set_xticks(list(pos), labels)
-    ax.set_xlabel("checkpointed segment length c (blocks); 'none' = no checkpointing")
+    ax.set_xlabel("checkpointed segment length c (blocks);\n'none' = no checkpointing")
     ax.set_ylabel("memory (units of b·d·4 bytes)")
     ax.set_title(f"Activation memory of {layers} MLP blocks (b={batch}, d={d})")
-    ax.legend(fontsize=8, frameon=False, loc="upper center")
+    ax.legend(fontsize=SMALL, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=1)
     return fig
 
 
 def mixed_precision_loop_figure():
     """Chapter 4: one step of mixed-precision training (Micikevicius et al. 2018, fig. 1)."""
-    fig, ax = figure(10.0, 3.4)
+    fig, ax = figure(0.8 * PAGE_WIDTH, 5.4)
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.94)
     low, high = "#cfe3f3", "#f6dfb5"  # 16-bit, 32-bit
+    w, h = 3.4, 0.9
 
-    def box(x, y, text, color, w, h=0.8):
+    def box(x, y, text, color):
         ax.add_patch(
             FancyBboxPatch(
                 (x, y), w, h, boxstyle="round,pad=0.04", facecolor=color, edgecolor="#555555"
             )
         )
-        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8.5)
-        return x, y, w, h
+        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=SMALL)
 
-    def arrow(a, b, text=None, dx=0.0, dy=0.0):
+    def arrow(a, b, text=None):
         ax.annotate("", xy=b, xytext=a, arrowprops={"arrowstyle": "->", "lw": 1.3})
         if text:
-            mx, my = (a[0] + b[0]) / 2 + dx, (a[1] + b[1]) / 2 + dy
-            ax.text(mx, my, text, fontsize=8, ha="center", color="#333333")
+            mx, my = (a[0] + b[0]) / 2, (a[1] + b[1]) / 2
+            ax.text(mx + 0.12, my, text, fontsize=SMALL, va="center", color="#333333")
 
-    w, gap = 2.6, 0.9
-    xs = [i * (w + gap) for i in range(4)]
-    top, bottom = 2.6, 0.4
-    box(xs[0], top, "master weights\nfp32", high, w)
-    box(xs[1], top, "weights\nbf16 / fp16", low, w)
-    box(xs[2], top, "forward: matmuls\nin bf16 / fp16", low, w)
-    box(xs[3], top, "loss in fp32,\ntimes scale S", high, w)
-    box(xs[3], bottom, "backward: activation\ngradients in 16 bits", low, w)
-    box(xs[2], bottom, "weight gradients\nto fp32, divided by S", high, w)
-    box(xs[1], bottom, "inf or NaN found?\nskip step, halve S", "#eeeeee", w)
-    box(xs[0], bottom, "optimizer update\nin fp32: w -= lr·g", high, w)
+    # the step as a loop: down the left column (forward), up the right one (backward)
+    left, right, rows = 0.0, w + 1.2, [4.2, 2.9, 1.6, 0.3]
+    box(left, rows[0], "master weights\nfp32", high)
+    box(left, rows[1], "weights\nbf16 / fp16", low)
+    box(left, rows[2], "forward: matmuls\nin bf16 / fp16", low)
+    box(left, rows[3], "loss in fp32,\ntimes scale S", high)
+    box(right, rows[3], "backward: activation\ngradients in 16 bits", low)
+    box(right, rows[2], "weight gradients\nto fp32, divided by S", high)
+    box(right, rows[1], "inf or NaN found?\nskip step, halve S", "#eeeeee")
+    box(right, rows[0], "optimizer update\nin fp32: w -= lr·g", high)
     for i in range(3):
-        arrow((xs[i] + w, top + 0.4), (xs[i + 1], top + 0.4), "cast" if i == 0 else None, dy=0.1)
+        arrow((left + w / 2, rows[i]), (left + w / 2, rows[i + 1] + h), "cast" if i == 0 else None)
         arrow(
-            (xs[i + 1], bottom + 0.4),
-            (xs[i] + w, bottom + 0.4),
+            (right + w / 2, rows[i + 1] + h),
+            (right + w / 2, rows[i]),
             "finite" if i == 0 else None,
-            dy=0.1,
         )
-    arrow((xs[3] + w / 2, top), (xs[3] + w / 2, bottom + 0.8))
-    arrow((xs[0] + w / 2, bottom + 0.8), (xs[0] + w / 2, top))
-    legend_x = xs[3] + w + 0.5
+    arrow((left + w, rows[3] + h / 2), (right, rows[3] + h / 2))
+    arrow((right, rows[0] + h / 2), (left + w, rows[0] + h / 2))
+    for x, text, color in ((left, "16-bit", low), (left + 1.4, "32-bit", high)):
+        ax.text(
+            x,
+            -0.35,
+            text,
+            fontsize=SMALL,
+            va="center",
+            bbox={"facecolor": color, "edgecolor": "#555555"},
+        )
     ax.text(
-        legend_x,
-        2.9,
-        "16-bit",
-        fontsize=8,
-        va="center",
-        bbox={"facecolor": low, "edgecolor": "#555555"},
-    )
-    ax.text(
-        legend_x,
-        2.3,
-        "32-bit",
-        fontsize=8,
-        va="center",
-        bbox={"facecolor": high, "edgecolor": "#555555"},
-    )
-    ax.text(
-        legend_x,
-        1.1,
+        right,
+        -0.35,
         "S: loss scale\n(fp16; bf16 has\nfp32's range and\nneeds none)",
-        fontsize=8,
-        va="center",
+        fontsize=SMALL,
+        va="top",
     )
-    ax.set_xlim(-0.2, legend_x + 1.9)
-    ax.set_ylim(0.2, 3.6)
+    ax.set_xlim(-0.1, right + w + 0.1)
+    ax.set_ylim(-1.6, rows[0] + h + 0.1)
     ax.axis("off")
     ax.set_title("One step of mixed-precision training")
     return fig

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from labsupport.viz.style import figure, rank_color, subplots
+from labsupport.viz.style import PAGE_WIDTH, SMALL, figure, rank_color, subplots
 
 #: GPT-2 small's parameters (chapter 2): the gradient of the chapter's worked number.
 GPT2_SMALL_PARAMS = 124_439_808
@@ -56,7 +56,9 @@ def draw_simulated(sims: dict, first_rank: int = 1):
     a row per worker with its gradient computations as bars, and the server's updates
     as ticks on the top row; the slowest worker's ticks are labelled with the staleness
     of its gradient."""
-    fig, axes = subplots(len(sims), 1, 7.5, 1.0 + 1.25 * len(sims), sharex=True, squeeze=False)
+    fig, axes = subplots(
+        len(sims), 1, PAGE_WIDTH, 1.0 + 1.25 * len(sims), sharex=True, squeeze=False
+    )
     for ax, (title, sim) in zip(axes[:, 0], sims.items(), strict=True):
         workers = len(sim["compute"])
         slowest = max(sim["compute"], key=lambda w: np.diff(sim["compute"][w][0]).item())
@@ -68,7 +70,7 @@ def draw_simulated(sims: dict, first_rank: int = 1):
             color = rank_color(u["worker"] + first_rank)
             ax.plot([u["time"]] * 2, [workers - 0.3, workers + 0.3], color=color, lw=2)
             if u["worker"] == slowest and u["staleness"]:
-                ax.text(u["time"], workers + 0.45, str(u["staleness"]), ha="center", fontsize=7)
+                ax.text(u["time"], workers + 0.45, str(u["staleness"]), ha="center", fontsize=SMALL)
         labels = [f"worker {w}" for w in reversed(range(workers))] + ["server"]
         ax.set_yticks(range(workers + 1), labels)
         ax.set_ylim(-0.6, workers + 1.0)
@@ -104,7 +106,7 @@ def draw_pushes(runs: dict, workers: int, first_rank: int = 1):
 def draw_losses(runs: dict):
     """Loss of each pushed gradient's batch, against gradients received (left) and
     against the time the server received it (right), one line per run."""
-    fig, (left, right) = subplots(1, 2, 10, 3.4, sharey=True)
+    fig, (left, right) = subplots(2, 1, PAGE_WIDTH, 6.4, sharey=True)
     for i, (label, updates) in enumerate(runs.items()):
         losses = [u["loss"] for u in updates]
         left.plot(range(1, len(losses) + 1), losses, color=rank_color(i), label=label, lw=1.3)
@@ -114,7 +116,7 @@ def draw_losses(runs: dict):
     left.set_xlabel("gradients received by the server")
     right.set_xlabel("seconds (measured)")
     left.set_ylabel("loss of the batch (MSE)")
-    left.legend(fontsize=8)
+    left.legend(fontsize=SMALL)
     fig.tight_layout()
     return fig
 
@@ -137,7 +139,7 @@ def draw_staleness(runs: dict):
     ax.set_xlabel("staleness: updates applied since the worker pulled its parameters")
     ax.set_ylabel("gradients")
     ax.set_xticks(bins)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=SMALL)
     fig.tight_layout()
     return fig
 
@@ -146,7 +148,7 @@ def draw_server_traffic(workers, series: dict, link_bytes_per_s: float):
     """Bytes into the busiest rank per step against the number of workers (log-log),
     one line per design, with the seconds that takes on a link of the given speed on a
     second axis."""
-    fig, ax = figure(7.0, 3.8)
+    fig, ax = figure(0.85 * PAGE_WIDTH - 0.6, 4.0)  # the right axis's labels run past
     for i, (label, nbytes) in enumerate(series.items()):
         ax.loglog(workers, np.asarray(nbytes) / 1e9, "o-", ms=3, color=rank_color(i), label=label)
     ax.set_xlabel("workers")
@@ -156,7 +158,7 @@ def draw_server_traffic(workers, series: dict, link_bytes_per_s: float):
         functions=(lambda gb: gb * 1e9 / link_bytes_per_s, lambda s: s * link_bytes_per_s / 1e9),
     )
     seconds.set_ylabel(f"seconds at {link_bytes_per_s / 1e9:.0f} GB/s")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=SMALL, frameon=False, loc="upper left", bbox_to_anchor=(-0.2, -0.18))
     ax.grid(True, which="major", color="#eeeeee")
     fig.tight_layout()
     return fig

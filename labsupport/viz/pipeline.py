@@ -10,7 +10,7 @@ backward solid, a second model chunk hatched.
 from __future__ import annotations
 
 from labsupport.parallel import schedules
-from labsupport.viz.style import figure, rank_color, subplots
+from labsupport.viz.style import PAGE_WIDTH, SMALL, figure, rank_color, subplots
 
 
 def simulated(name: str, p: int, m: int, v: int = 1) -> list[list[tuple]]:
@@ -24,13 +24,19 @@ def simulated(name: str, p: int, m: int, v: int = 1) -> list[list[tuple]]:
     ]
 
 
-def draw_timeline(timeline, ax=None, title: str | None = None, xlabel: str = "time", labels=True):
+def draw_timeline(
+    timeline, ax=None, title: str | None = None, xlabel: str = "time", labels=True, span=None
+):
     """A Gantt chart: one row per rank (rank 0 on top), one box per forward (light) or
-    backward (solid) action, labelled with its micro-batch; chunk 1 and up hatched."""
+    backward (solid) action, labelled with its micro-batch where the box has room for
+    the number; chunk 1 and up hatched. The time axis ends at ``span`` (the timeline's
+    end by default)."""
     p = len(timeline)
     if ax is None:
-        _, ax = figure(9.0, 0.45 * p + 1.0)
-    span = max(e for rank in timeline for *_, e in rank)
+        _, ax = figure(PAGE_WIDTH, 0.45 * p + 1.0)
+    span = span or max(e for rank in timeline for *_, e in rank)
+    # points per unit of time: the axes' width (as laid out so far) over the span
+    per_unit = ax.get_position().width * ax.figure.get_figwidth() * 72 / span
     for rank, events in enumerate(timeline):
         y = p - 1 - rank
         for kind, mb, chunk, start, end in events:
@@ -44,14 +50,13 @@ def draw_timeline(timeline, ax=None, title: str | None = None, xlabel: str = "ti
                 linewidth=0.6,
                 hatch="///" if chunk else None,
             )
-            if labels and (end - start) > 0.012 * span:
+            if labels and (end - start) * per_unit > 0.65 * SMALL * len(str(mb)) + 4:
                 ax.text(
                     (start + end) / 2,
                     y,
                     str(mb),
                     ha="center",
                     va="center",
-                    fontsize=7,
                     color="black" if forward else "white",
                 )
     ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
@@ -61,21 +66,33 @@ def draw_timeline(timeline, ax=None, title: str | None = None, xlabel: str = "ti
     ax.spines["left"].set_visible(False)
     ax.tick_params(axis="y", length=0)
     if title:
-        ax.set_title(title, fontsize=10, loc="left")
+        ax.set_title(title, loc="left")
     return ax
 
 
 def draw_schedules(cases, p: int = 4):
     """One simulated Gantt chart per ``(title, name, m, v)`` of ``cases``, on one time
     axis (units of one stage's forward; a backward takes one unit too)."""
-    fig, axes = subplots(len(cases), 1, 9.0, 1.55 * len(cases) + 0.4, sharex=True)
+    fig, axes = subplots(len(cases), 1, PAGE_WIDTH, 1.7 * len(cases) + 0.5, sharex=True)
+    span = max(max(e for rank in simulated(n, p, m, v) for *_, e in rank) for _, n, m, v in cases)
     for ax, (title, name, m, v) in zip(axes, cases, strict=True):
         timeline = simulated(name, p, m, v)
         bubble = schedules.measured_bubble(schedules.simulate(schedules.build(name, p, m, v)))
-        draw_timeline(timeline, ax, f"{title}: idle {bubble:.0%} of the total", xlabel="")
-    axes[-1].set_xlabel("time (slots: one stage's forward or backward of one micro-batch)")
-    span = max(max(e for rank in simulated(n, p, m, v) for *_, e in rank) for _, n, m, v in cases)
-    axes[-1].set_xlim(0, span)
+        title = f"{title}: idle {bubble:.0%} of the total"
+        draw_timeline(timeline, ax, title, xlabel="", span=span)
+    axes[-1].set_xlabel("time (slots: one stage's forward or backward\nof one micro-batch)")
+    fig.tight_layout()
+    return fig
+
+
+def draw_measured_and_simulated(cases, p: int = 4):
+    """Each schedule's measured timeline (in ms) above its simulation (in slots), for
+    ``(name, m, v, measured)`` in ``cases``: one column, so that the figure is shown at
+    the page's width with its text as large as the page's."""
+    fig, axes = subplots(2 * len(cases), 1, PAGE_WIDTH, 3.2 * len(cases) + 0.3)
+    for (top, bottom), (name, m, v, measured) in zip(axes.reshape(-1, 2), cases, strict=True):
+        draw_timeline(measured, top, f"{name}, m = {m}: measured", xlabel="ms")
+        draw_timeline(simulated(name, p, m, v), bottom, f"{name}: simulated", xlabel="slots")
     fig.tight_layout()
     return fig
 
@@ -96,7 +113,7 @@ def held_over_time(timeline) -> list[list[tuple[float, int]]]:
 def draw_held(cases, p: int = 4):
     """Micro-batches whose activations each rank holds over a step, per schedule
     ``(title, name, m, v)`` (chunks counted as ``1/v`` of a micro-batch)."""
-    fig, axes = subplots(1, len(cases), 4.2 * len(cases), 3.0, sharey=True)
+    fig, axes = subplots(len(cases), 1, PAGE_WIDTH, 2.0 * len(cases) + 0.4, sharex=True)
     for ax, (title, name, m, v) in zip(axes, cases, strict=True):
         for rank, steps in enumerate(held_over_time(simulated(name, p, m, v))):
             ax.step(
@@ -106,11 +123,11 @@ def draw_held(cases, p: int = 4):
                 color=rank_color(rank),
                 label=f"rank {rank}",
             )
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("time (slots)")
-    axes[0].set_ylabel("micro-batches of activations held")
-    axes[0].legend(fontsize=8, frameon=False)
-    fig.tight_layout()
+        ax.set_title(title, loc="left")
+        ax.set_ylabel("micro-batches\nheld")
+    axes[-1].set_xlabel("time (slots)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
 
 
@@ -120,7 +137,7 @@ def draw_bubble(p_values=(4, 8), m_max: int = 64, interleaved=(), measured=None,
     time), for each ``p``; for each ``(p, v)`` of ``interleaved``, (p-1)/(vm+p-1) with
     ``m`` a multiple of ``p``; ``measured`` adds points ``{label: [(m, bubble), ...]}``."""
     if ax is None:
-        _, ax = figure(7.0, 3.6)
+        _, ax = figure(PAGE_WIDTH, 3.2)
     ms = list(range(1, m_max + 1))
     for i, p in enumerate(p_values):
         total = [schedules.bubble_fraction(p, m)["of_total"] for m in ms]
@@ -141,7 +158,7 @@ def draw_bubble(p_values=(4, 8), m_max: int = 64, interleaved=(), measured=None,
     ax.set_xlabel("micro-batches per step, m")
     ax.set_ylabel("bubble")
     ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(0, -0.2))
     return ax
 
 
@@ -172,5 +189,7 @@ def held_figure():
 
 
 def bubble_figure():
-    """Chapter 11: the bubble against m, both denominators, and interleaving."""
-    return draw_bubble(p_values=(4, 8), m_max=64, interleaved=((4, 2),)).figure
+    """Chapter 11: the bubble against m, both denominators, and interleaving (shown at
+    85 % of the page)."""
+    _, ax = figure(0.85 * PAGE_WIDTH, 3.2)
+    return draw_bubble(p_values=(4, 8), m_max=64, interleaved=((4, 2),), ax=ax).figure

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from matplotlib.patches import FancyBboxPatch
 
-from labsupport.viz.style import figure, rank_color
+from labsupport.viz.style import PAGE_WIDTH, SMALL, figure, rank_color
 
 
 def draw_ranks(infos: list[dict], ax=None, title: str | None = None):
@@ -16,8 +16,10 @@ def draw_ranks(infos: list[dict], ax=None, title: str | None = None):
     nodes = sorted({i["node_rank"] for i in infos})
     per_node = max(i["local_rank"] for i in infos) + 1
     if ax is None:
-        _, ax = figure(1.3 * per_node * len(nodes) + 0.6, 2.4)
-    gap, box = 0.4, 1.2
+        # 8 ranks on 2 nodes are shown at 90 % of the page
+        fig, ax = figure(min(0.9 * PAGE_WIDTH, 0.75 * per_node * len(nodes)), 2.0)
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.02, top=0.85)
+    gap, box = 0.25, 1.2
     for n, node in enumerate(nodes):
         x0 = n * (per_node * box + gap)
         ax.add_patch(
@@ -36,8 +38,8 @@ def draw_ranks(infos: list[dict], ax=None, title: str | None = None):
         color = rank_color(info["rank"])
         ax.add_patch(
             FancyBboxPatch(
-                (x + 0.08, 0.15),
-                box - 0.36,
+                (x + 0.05, 0.15),
+                box - 0.2,
                 1.25,
                 boxstyle="round,pad=0.02",
                 facecolor=color,
@@ -46,10 +48,9 @@ def draw_ranks(infos: list[dict], ax=None, title: str | None = None):
             )
         )
         label = f"rank {info['rank']}\nlocal {info['local_rank']}\nnode {info['node_rank']}"
-        ax.text(x + box / 2 - 0.1, 0.77, label, ha="center", va="center", fontsize=9)
+        ax.text(x + box / 2 - 0.1, 0.77, label, ha="center", va="center", fontsize=SMALL)
     ax.set_xlim(-0.2, len(nodes) * (per_node * box + gap) - gap + 0.1)
     ax.set_ylim(-0.1, 2.05)
-    ax.set_aspect("equal")
     ax.axis("off")
     if title:
         ax.set_title(title)

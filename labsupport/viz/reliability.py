@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from labsupport.estimate import reliability
-from labsupport.viz.style import rank_color, subplots
+from labsupport.viz.style import PAGE_WIDTH, SMALL, rank_color, subplots
 
 HOUR = 3600.0
 
@@ -26,7 +26,7 @@ def draw_job_mtbf(per_device_s: float, gpus=(8, 100_000), marks=None, ax=None):
             (k, hours),
             textcoords="offset points",
             xytext=(6, 4),
-            fontsize=8,
+            fontsize=SMALL,
         )
     ax.set(xlabel="GPUs in the job", ylabel="job MTBF (hours)")
     ax.set_title("At Llama 3's failure rate per GPU")
@@ -63,7 +63,7 @@ def draw_wasted_fraction(checkpoint_s: float, mtbf_s: float, ax=None, label: str
         textcoords="offset points",
         xytext=(0, 26),
         ha="center",
-        fontsize=8,
+        fontsize=SMALL,
     )
     daly = reliability.daly_interval(checkpoint_s, mtbf_s)
     ax.axvline(daly / 60, color=rank_color(1), lw=0.8, ls=":")
@@ -71,7 +71,7 @@ def draw_wasted_fraction(checkpoint_s: float, mtbf_s: float, ax=None, label: str
     ax.set_ylim(0, max(first) * 100 * 0.6)
     ax.set(xlabel="checkpoint every ... minutes of work", ylabel="extra time (% of the work)")
     ax.set_title(label or f"C = {checkpoint_s:g} s, M = {mtbf_s / HOUR:.2f} h")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=SMALL, loc="upper right")
     return ax
 
 
@@ -82,7 +82,7 @@ def failures_figure():
     snap = reliability.LLAMA3_SNAPSHOT
     job = reliability.mtbf(snap["days"] * 24 * HOUR, snap["unexpected"])
     per_gpu = reliability.device_mtbf(job, snap["gpus"])
-    fig, (left, right) = subplots(1, 2, 10, 3.6)
+    fig, (left, right) = subplots(2, 1, PAGE_WIDTH, 7.0)
     marks = {"384 (BLOOM's size)": 384, "16,384 (Llama 3)": 16_384, "100,000": 100_000}
     draw_job_mtbf(per_gpu, marks=marks, ax=left)
     draw_wasted_fraction(
@@ -119,5 +119,5 @@ def draw_resumed(straight: list, resumed: list, resumed_at: int, killed_at: int,
     ax.axvline(killed_at, color=rank_color(5), ls=":", lw=1)
     ax.text(killed_at + 0.1, max(straight), " a rank killed", va="top", color=rank_color(5))
     ax.set(xlabel="step", ylabel="loss", title="Resumed from a checkpoint: the same curve")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=SMALL)
     return ax

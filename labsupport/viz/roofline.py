@@ -6,7 +6,7 @@ import numpy as np
 
 from labsupport.estimate.datasheets import DEVICES, HIERARCHY
 from labsupport.estimate.roofline import arithmetic_intensity, ridge_point, roofline
-from labsupport.viz.style import figure, rank_color, subplots
+from labsupport.viz.style import PAGE_WIDTH, SMALL, figure, rank_color, subplots
 
 
 def draw_roofline(
@@ -54,7 +54,7 @@ def draw_roofline(
     ax.set_xticks(ticks, [f"{t:g}" if t >= 1 else f"1/{1 / t:g}" for t in ticks])
     ax.set_xlabel("arithmetic intensity (FLOP per byte of memory traffic)")
     ax.set_ylabel("attainable GFLOP/s")
-    ax.legend(fontsize=8, loc="lower right", frameon=False)
+    ax.legend(fontsize=SMALL, loc="lower right", frameon=False)
     if title:
         ax.set_title(title)
     return ax
@@ -67,10 +67,10 @@ def datasheet_rooflines():
     Vertical lines mark the computed intensities of an elementwise add and of a square
     matmul of side 1024, for 4-byte (left) and 2-byte (right) elements.
     """
-    fig, (left, right) = subplots(1, 2, 11, 4.4, sharey=True)
+    fig, (left, right) = subplots(2, 1, PAGE_WIDTH, 8.6, sharex=True)
     panels = (
         (left, "fp32", 4, "FP32 (CUDA cores; CPU vector units)"),
-        (right, "tensor", 2, "16-bit tensor cores, dense (BF16; V100: FP16)"),
+        (right, "tensor", 2, "16-bit tensor cores, dense\n(BF16; V100: FP16)"),
     )
     for ax, key, itemsize, title in panels:
         ceilings = [
@@ -95,13 +95,18 @@ def datasheet_rooflines():
         for name, intensity in marks:
             ax.axvline(intensity, color="#999999", lw=1, ls=":")
             ax.text(
-                intensity * 1.12, 3, f"{name}\n{intensity:.3g} FLOP/B", fontsize=8, color="#555555"
+                intensity * 1.12,
+                3,
+                f"{name}\n{intensity:.3g} FLOP/B",
+                fontsize=SMALL,
+                color="#555555",
             )
         ax.set_ylim(1, 3e6)
-        ax.legend(fontsize=8, loc="upper left", frameon=False)
-    right.set_ylabel("")
+        ax.legend(fontsize=SMALL, loc="upper left", frameon=False)
+    left.set_xlabel("")
     fig.suptitle(
-        "Rooflines from datasheets: min(peak FLOP/s, bandwidth × intensity); dots are ridge points",
+        "Rooflines from datasheets: min(peak FLOP/s, bandwidth × intensity);\n"
+        "dots are ridge points",
         fontsize=11,
     )
     fig.tight_layout()
@@ -110,14 +115,14 @@ def datasheet_rooflines():
 
 def memory_hierarchy():
     """Chapter 1: capacity of each memory level of an H100 and of a laptop CPU (log scale)."""
-    fig, axes = subplots(1, 2, 11, 3.6, sharex=True)
+    fig, axes = subplots(2, 1, PAGE_WIDTH - 0.8, 6.4, sharex=True)  # the notes run past
     for ax, (device, levels) in zip(axes, HIERARCHY.items(), strict=True):
         names = [name for name, _, _ in levels]
         sizes = [size for _, size, _ in levels]
         y = np.arange(len(levels))[::-1]
         ax.barh(y, sizes, color=rank_color(0), alpha=0.85, height=0.6)
         for yi, size, (_, _, note) in zip(y, sizes, levels, strict=True):
-            ax.text(size * 1.3, yi, note, va="center", fontsize=8)
+            ax.text(size * 1.3, yi, note, va="center", fontsize=SMALL)
         ax.set_yticks(y, names)
         ax.set_xscale("log")
         ax.set_xlim(1e5, 1e16)
@@ -125,7 +130,7 @@ def memory_hierarchy():
         ax.set_title(device)
         ax.set_xlabel("capacity (bytes, log scale)")
     fig.suptitle(
-        "The memory hierarchy: each level down is larger and slower (fastest at the top)",
+        "The memory hierarchy: each level down is larger and slower\n(fastest at the top)",
         fontsize=11,
     )
     fig.tight_layout()

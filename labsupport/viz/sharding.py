@@ -10,19 +10,21 @@ from labsupport.estimate.memory import training_memory
 from labsupport.estimate.published import PUBLISHED, check
 from labsupport.estimate.units import GB
 from labsupport.parallel.parallel_state import Mesh
-from labsupport.viz.style import rank_color, subplots
+from labsupport.viz.style import PAGE_WIDTH, SMALL, rank_color, subplots
 from labsupport.viz.walls import PART_COLORS
 
 AXIS_NAMES = {"tp": "tensor-parallel", "dp": "data-parallel", "pp": "pipeline-parallel"}
 
 
 def draw_mesh(mesh: Mesh, gpus_per_node: int, axes=None, title: str | None = None, label=""):
-    """One panel per axis (TP, DP, PP): the ranks on their nodes (a row per node), each
-    rank coloured by the group it belongs to along that axis, so that a group is the
-    ranks of one colour."""
+    """One panel per axis (TP, DP, PP), one above the other: the ranks on their nodes (a
+    row per node), each rank coloured by the group it belongs to along that axis, so that
+    a group is the ranks of one colour."""
     nodes = mesh.world_size // gpus_per_node
     if axes is None:
-        fig, axes = subplots(1, 3, 3.3 * 3, 0.55 * nodes + 1.0)
+        fig, axes = subplots(
+            3, 1, PAGE_WIDTH * min(1.0, gpus_per_node / 8), 3 * (0.5 * nodes + 0.6)
+        )
     for ax, axis in zip(np.atleast_1d(axes), ("tp", "dp", "pp"), strict=True):
         groups = mesh.groups(axis)
         for rank in range(mesh.world_size):
@@ -39,7 +41,7 @@ def draw_mesh(mesh: Mesh, gpus_per_node: int, axes=None, title: str | None = Non
                     linewidth=0.6,
                 )
             )
-            ax.text(slot + 0.5, -node + 0.5, str(rank), ha="center", va="center", fontsize=8)
+            ax.text(slot + 0.5, -node + 0.5, str(rank), ha="center", va="center", fontsize=SMALL)
         for node in range(nodes):
             ax.add_patch(
                 FancyBboxPatch(
@@ -58,10 +60,12 @@ def draw_mesh(mesh: Mesh, gpus_per_node: int, axes=None, title: str | None = Non
         ax.set_aspect("equal")
         ax.axis("off")
         ax.set_title(
-            f"{label}{AXIS_NAMES[axis]}: {len(groups)} groups of {mesh.size(axis)}", fontsize=9
+            f"{label}{AXIS_NAMES[axis]}: {len(groups)} groups of {mesh.size(axis)}",
+            fontsize=SMALL,
+            loc="left",
         )
     if title:
-        np.atleast_1d(axes)[0].figure.suptitle(title, fontsize=10)
+        np.atleast_1d(axes)[0].figure.suptitle(title, fontsize=SMALL)
     return axes
 
 
@@ -70,10 +74,10 @@ def mesh_orders_figure(dp=2, tp=2, pp=4, gpus_per_node=8, orders=None):
     in two conventions, one row each."""
     orders = orders or {"Megatron-LM's default": "tp-dp-pp", "Llama 3's": "tp-pp-dp"}
     nodes = dp * tp * pp // gpus_per_node
-    fig, axes = subplots(len(orders), 3, 10.5, (0.45 * nodes + 0.6) * len(orders))
-    for row, (name, order) in zip(np.atleast_2d(axes), orders.items(), strict=True):
-        draw_mesh(Mesh(dp, tp, pp, order), gpus_per_node, axes=row, label=f"{order}, ")
-        row[0].text(-0.3, 1.9, f"{name} order", fontsize=10, weight="bold")
+    fig, axes = subplots(3, len(orders), PAGE_WIDTH, 3 * (0.45 * nodes + 0.75))
+    for column, (name, order) in zip(np.atleast_2d(axes).T, orders.items(), strict=True):
+        draw_mesh(Mesh(dp, tp, pp, order), gpus_per_node, axes=column, label=f"{order},\n")
+        column[0].text(-0.3, 2.6, f"{name} order", fontsize=SMALL, weight="bold")
     fig.tight_layout()
     return fig
 
@@ -81,7 +85,7 @@ def mesh_orders_figure(dp=2, tp=2, pp=4, gpus_per_node=8, orders=None):
 def zero_memory_figure(num_params=7.5e9, dp=64, gpu_bytes=80 * GB):
     """Chapter 14: model states per GPU for stages 0 to 3 (the ZeRO paper's figure 1:
     7.5 B parameters, 64 GPUs), part by part."""
-    fig, ax = subplots(1, 1, 6.4, 3.4)
+    fig, ax = subplots(1, 1, 0.75 * PAGE_WIDTH, 3.4)
     for stage in range(4):
         bottom = 0.0
         for part, nbytes in training_memory(num_params, "mixed", stage, dp).items():
@@ -96,24 +100,27 @@ def zero_memory_figure(num_params=7.5e9, dp=64, gpu_bytes=80 * GB):
                 label=part if stage == 0 else None,
             )
             bottom += nbytes / GB
-        ax.text(stage, bottom, f"{bottom:.1f} GB", ha="center", va="bottom", fontsize=9)
+        ax.text(stage, bottom, f"{bottom:.1f} GB", ha="center", va="bottom", fontsize=SMALL)
     ax.axhline(gpu_bytes / GB, color="black", ls="--", lw=1)
     ax.text(
-        1.5,
+        2.4,
         gpu_bytes / GB,
         f"one GPU: {gpu_bytes / GB:.0f} GB",
         va="bottom",
         ha="center",
-        fontsize=8,
+        fontsize=SMALL,
     )
     ax.set_xticks(
         range(4),
         ["no ZeRO\n(DDP)", "stage 1\noptimizer", "stage 2\n+ gradients", "stage 3\n+ parameters"],
     )
+    for i, label in enumerate(ax.get_xticklabels()):  # alternate heights: room for each
+        label.set_y(-0.16 * (i % 2))
     ax.set_ylabel("GB per GPU")
-    ax.set_title(f"{num_params / 1e9:g} B parameters, mixed-precision Adam, {dp} GPUs")
-    ax.legend(fontsize=8, frameon=False, loc="upper right")
-    fig.tight_layout()
+    ax.set_title(f"{num_params / 1e9:g} B parameters,\nmixed-precision Adam, {dp} GPUs")
+    ax.legend(
+        fontsize=SMALL, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.42), ncol=2
+    )
     return fig
 
 
@@ -145,10 +152,10 @@ def zero_measured_figure(rows: list[dict]):
                 )
                 bottom += value
         labels.append(f"{row['ranks']} rank{'s' if row['ranks'] > 1 else ''}\nstage {row['stage']}")
-    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=SMALL)
     ax.set_ylabel("kB per rank")
     ax.set_title("Bytes each rank holds: measured (plain) and formula (hatched)")
-    ax.legend(fontsize=8, frameon=False, ncol=3)
+    ax.legend(fontsize=SMALL, frameon=False, ncol=3)
     fig.tight_layout()
     return fig
 
@@ -165,7 +172,7 @@ STEP_PARTS = {
 def step_breakdown_figure(results: dict):
     """Chapter 13: where a planned step's time goes, one bar per run: ``results`` maps a
     label to :func:`labsupport.estimate.planner.evaluate`'s result."""
-    fig, ax = subplots(1, 1, 7.5, 0.5 * len(results) + 1.4)
+    fig, ax = subplots(1, 1, 0.95 * PAGE_WIDTH, 0.5 * len(results) + 1.6)
     for i, r in enumerate(results.values()):
         left = 0.0
         for part, color in STEP_PARTS.items():
@@ -180,12 +187,12 @@ def step_breakdown_figure(results: dict):
                 label=part if i == 0 else None,
             )
             left += share
-        ax.text(1.01, i, f"{r['step_s']:.1f} s", va="center", fontsize=8)
-    ax.set_yticks(range(len(results)), list(results), fontsize=8)
+        ax.text(1.01, i, f"{r['step_s']:.1f} s", va="center", fontsize=SMALL)
+    ax.set_yticks(range(len(results)), list(results), fontsize=SMALL)
     ax.invert_yaxis()
     ax.set_xlim(0, 1.12)
     ax.set_xlabel("share of the predicted step time")
-    ax.legend(fontsize=8, frameon=False, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    ax.legend(fontsize=SMALL, frameon=False, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     fig.tight_layout()
     return fig
 

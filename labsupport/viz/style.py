@@ -21,11 +21,21 @@ RANK_COLORS = (
     "#999999",  # grey
 )
 
+#: The smallest text of any figure, in points (the style's default size too): 14.6 px
+#: at 100 dpi, shown at its own size, as a lab's figure is: no smaller than the page's
+#: small print, its code (14 px).
+SMALL = 10.5
+#: How wide a figure may be drawn, in inches at 100 dpi, to be shown at the page's full
+#: width (660 px in a 1280 px window) with that text still 14 px or more (it is shown
+#: at most at its own size, 650 px, with a margin for what is drawn outside the axes). A
+#: figure shown at 80 % of the page is drawn 80 % as wide (tools.figures checks them).
+PAGE_WIDTH = 6.5
+
 STYLE = {
     "figure.dpi": 100,
     "savefig.dpi": 100,
-    "font.size": 10,
-    "axes.titlesize": 11,
+    "font.size": SMALL,
+    "axes.titlesize": 11.5,
     "axes.spines.top": False,
     "axes.spines.right": False,
     "svg.hashsalt": "labsupport",

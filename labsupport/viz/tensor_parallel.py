@@ -12,7 +12,7 @@ from matplotlib.patches import FancyBboxPatch, Rectangle
 
 from labsupport.estimate.datasheets import MODELS
 from labsupport.estimate.memory import activation_memory
-from labsupport.viz.style import figure, rank_color, subplots
+from labsupport.viz.style import PAGE_WIDTH, SMALL, figure, rank_color, subplots
 
 WHOLE = "#d9d9d9"  # a tensor every rank holds whole
 SUM = "#555555"  # a sum over the ranks
@@ -151,7 +151,7 @@ def _box(ax, x, y, w, h, text, color, alpha=1.0):
 def draw_layer_costs(rows: list[dict], title: str):
     """Modelled compute and all-reduce time per layer and GPU for each tensor-parallel
     size (:func:`labsupport.estimate.tensor_parallel.layer_costs`)."""
-    fig, ax = figure(7.5, 3.6)
+    fig, ax = figure(0.85 * PAGE_WIDTH, 3.8)
     links = [k for k in rows[0] if k not in ("t", "compute")]
     width = 0.8 / (1 + len(links))
     for i, key in enumerate(["compute", *links]):
@@ -160,8 +160,8 @@ def draw_layer_costs(rows: list[dict], title: str):
         ax.bar(xs, [r[key] * 1e3 for r in rows], width, color=rank_color(i), label=label)
     ax.set_xticks(range(len(rows)), [f"t = {r['t']}" for r in rows])
     ax.set_ylabel("ms per layer and sequence")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(title, fontsize=SMALL)
+    ax.legend(fontsize=SMALL, frameon=False)
     return fig
 
 
@@ -170,7 +170,7 @@ def draw_activations(model: str = "GPT-3 175B", t_values=(1, 2, 4, 8)):
     tensor parallelism alone and with sequence parallelism (Korthikanti et al. 2022)."""
     m = MODELS[model]
     s, h, a = m["seq_len"], m["hidden"], m["heads"]
-    fig, ax = figure(6.5, 3.4)
+    fig, ax = figure(0.8 * PAGE_WIDTH, 3.6)
     for i, sp in enumerate((False, True)):
         values = [
             activation_memory(s, 1, h, a, 1, tensor_parallel=t, sequence_parallel=sp) / 1e9
@@ -180,9 +180,9 @@ def draw_activations(model: str = "GPT-3 175B", t_values=(1, 2, 4, 8)):
         label = "tensor + sequence parallel" if sp else "tensor parallel"
         ax.bar(xs, values, 0.38, color=rank_color(i), label=label)
         for x, v in zip(xs, values, strict=True):
-            ax.text(x, v + 0.03, f"{v:.2f}", ha="center", fontsize=7)
+            ax.text(x, v + 0.03, f"{v:.2f}", ha="center", fontsize=SMALL)
     ax.set_xticks(range(len(t_values)), [f"t = {t}" for t in t_values])
     ax.set_ylabel("GB per layer and GPU")
-    ax.set_title(f"{model}: activations of one layer, one sequence of {s} tokens", fontsize=10)
-    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(f"{model}: activations of one layer,\none sequence of {s} tokens", fontsize=SMALL)
+    ax.legend(fontsize=SMALL, frameon=False)
     return fig

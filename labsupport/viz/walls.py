@@ -10,7 +10,7 @@ from labsupport.estimate.flops import SECONDS_PER_DAY
 from labsupport.estimate.memory import training_memory
 from labsupport.estimate.units import GB
 from labsupport.estimate.walls import crossover_devices, step_times
-from labsupport.viz.style import figure, rank_color, subplots
+from labsupport.viz.style import PAGE_WIDTH, SMALL, figure, rank_color, subplots
 
 PART_COLORS = {
     "weights": rank_color(0),
@@ -28,9 +28,11 @@ def memory_breakdown_figure(models=None, gpu: str = "H100 SXM"):
     its own scale, with one GPU's memory drawn as a dashed line.
     """
     models = models or {"7B": 7e9, "70B": 70e9, "175B": 175e9}
-    fig, axes = subplots(1, len(models), 3.1 * len(models), 3.6)
+    rows = (len(models) + 1) // 2  # two panels a row, the legend in a spare cell or below
+    fig, grid = subplots(rows, 2, PAGE_WIDTH, 3.1 * rows + 0.6, squeeze=False)
+    axes, spare = list(grid.flat[: len(models)]), list(grid.flat[len(models) :])
     limit, short = device_spec(gpu)["memory_bytes"] / GB, gpu.split()[0]
-    for ax, (label, n) in zip(np.atleast_1d(axes), models.items(), strict=True):
+    for ax, (label, n) in zip(axes, models.items(), strict=False):
         bottom = 0.0
         for part, nbytes in training_memory(n).items():
             ax.bar(
@@ -45,16 +47,20 @@ def memory_breakdown_figure(models=None, gpu: str = "H100 SXM"):
             )
             bottom += nbytes / GB
         ax.axhline(limit, color="black", ls="--", lw=1)
-        ax.text(0.33, limit, f" one {short}: {limit:.0f} GB", va="bottom", fontsize=8)
-        ax.text(0, bottom, f"{bottom:,.0f} GB", ha="center", va="bottom", fontsize=9)
-        ax.set_xlim(-0.6, 1.2)
-        ax.set_ylim(0, max(bottom, limit) * 1.15)
+        ax.text(0.33, limit, f" one {short}: {limit:.0f} GB", va="bottom", fontsize=SMALL)
+        ax.text(0, bottom, f"{bottom:,.0f} GB", ha="center", va="bottom", fontsize=SMALL)
+        ax.set_xlim(-0.5, 1.7)
+        ax.set_ylim(0, max(bottom, limit) * 1.25)
         ax.set_xticks([0], [f"{label} parameters"])
         ax.set_ylabel("GB")
-    handles, labels = np.atleast_1d(axes)[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
-    fig.suptitle("Model states of mixed-precision Adam: 16 bytes per parameter", fontsize=11)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.suptitle("Model states of mixed-precision Adam: 16 bytes per parameter")
+    fig.tight_layout(rect=(0, 0 if spare else 0.12, 1, 1))
+    handles, labels = axes[0].get_legend_handles_labels()
+    if spare:
+        fig.legend(handles, labels, loc="center", bbox_to_anchor=spare[0].get_position())
+        fig.delaxes(spare[0])
+    else:
+        fig.legend(handles, labels, loc="lower center", ncol=3, frameon=False)
     return fig
 
 
@@ -75,7 +81,7 @@ def time_to_train_figure(model: str = "GPT-3 175B", gpu: str = "A100 SXM 80GB", 
         communication.append(steps * t["communication"] / SECONDS_PER_DAY)
     compute, communication = np.array(compute), np.array(communication)
     cross = crossover_devices(spec["batch_tokens"], peak * ASSUMED_MFU, bandwidth)
-    fig, ax = figure(7.5, 3.8)
+    fig, ax = figure(0.9 * PAGE_WIDTH, 4.0)
     ax.plot(devices, compute, color=rank_color(0), lw=2, label="compute")
     ax.plot(devices, communication, color=rank_color(1), lw=2, label="gradient all-reduce (ring)")
     ax.plot(
@@ -91,7 +97,7 @@ def time_to_train_figure(model: str = "GPT-3 175B", gpu: str = "A100 SXM 80GB", 
         cross * 1.08,
         compute.max() / 3,
         f"communication\ndominates beyond\n~{cross:,.0f} GPUs",
-        fontsize=8,
+        fontsize=SMALL,
         color="#555555",
     )
     ax.set_xscale("log")
@@ -99,9 +105,9 @@ def time_to_train_figure(model: str = "GPT-3 175B", gpu: str = "A100 SXM 80GB", 
     ax.set_xlabel(f"number of {short} GPUs (data parallel)")
     ax.set_ylabel("days")
     ax.set_title(
-        f"{model} on {spec['tokens'] / 1e9:.0f}B tokens: {short} at 40% MFU, "
+        f"{model} on {spec['tokens'] / 1e9:.0f}B tokens:\n{short} at 40% MFU, "
         f"{bandwidth / GB:g} GB/s per GPU",
-        fontsize=10,
+        fontsize=SMALL,
     )
-    ax.legend(fontsize=8, frameon=False, loc="lower left")
+    ax.legend(fontsize=SMALL, frameon=False, loc="lower left")
     return fig

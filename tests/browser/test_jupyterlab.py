@@ -307,8 +307,41 @@ def test_lab_3_widget_answers_its_slider(browser, server):
     page.close()
 
 
+def test_a_checkers_wrong_answer_is_a_short_verdict(browser, server):
+    scratch(
+        server,
+        "verdict.ipynb",
+        [
+            "from labsupport.labs import lab14_zero as lab\n\n"
+            "def state_bytes(num_params, stage, dp):\n    return 16 * num_params",
+            "lab.check_state_bytes(state_bytes)",
+            "def state_bytes(num_params, stage, dp):\n    return {}[stage]\n\n"
+            "lab.check_state_bytes(state_bytes)",
+        ],
+    )
+    page = run_all(browser, server, "verdict.ipynb", timeout=120)  # stops at the wrong answer
+    page.evaluate(
+        "() => { const w = window.jupyterapp.shell.currentWidget; w.content.activeCellIndex = 2; }"
+    )
+    command(page, "notebook:run-cell")
+    wait_idle(page, 60)
+    cells = saved_cells(page, server, "verdict.ipynb")
+    assert [name for _, name in errors(cells)] == ["AssertionError", "KeyError"]
+    wrong = page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea-output").inner_text()
+    assert wrong.strip().splitlines() == [
+        "Not right yet: num_params=7.5e+09, stage=1, dp=64: got 1.2e+11 bytes, expected "
+        "3.14062e+10 (sharding divides some of the states by dp)",
+        "Change state_bytes() above, run its cell, then this one again.",
+    ]
+    raised = page.locator(".jp-Cell").nth(2).locator(".jp-OutputArea-output").inner_text()
+    assert raised.startswith("check_state_bytes() ran your state_bytes(), which raised:")
+    assert "return {}[stage]" in raised and raised.rstrip().endswith("KeyError: 0")
+    assert "labsupport" not in raised, raised
+    page.close()
+
+
 def test_nothing_was_written_into_the_repository(server):
-    assert not (LABS / "scratch.ipynb").exists()
+    assert not (LABS / "scratch.ipynb").exists() and not (LABS / "verdict.ipynb").exists()
     assert server["labs_before"] == _snapshot(LABS), "the test changed files in labs/"
 
 

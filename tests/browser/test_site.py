@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from playwright.sync_api import expect
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "_build" / "html"
@@ -51,9 +52,18 @@ def site_url():
     server.server_close()
 
 
-@pytest.fixture
-def page(browser):
-    context = browser.new_context()
+# A phone, and a wide screen that draws overlay scrollbars as phones, tablets and macOS do
+# (Chromium's mobile emulation): a scrollbar then takes room only where the site's CSS asks
+# for one, so a test can tell a table cut at the page's edge from one that says it scrolls.
+PHONE = {"viewport": {"width": 400, "height": 800}, "is_mobile": True, "has_touch": True}
+TABLET = {"viewport": {"width": 800, "height": 1000}, "is_mobile": True, "has_touch": True}
+WIDE = {"viewport": {"width": 1280, "height": 800}, "is_mobile": True, "has_touch": True}
+
+
+def open_page(browser, **context_options):
+    """A page in a fresh browser context, recording every console error, page error and
+    failed request in ``page.problems``."""
+    context = browser.new_context(**context_options)
     page = context.new_page()
     page.problems = []
     page.on(
@@ -73,8 +83,28 @@ def page(browser):
             page.problems.append(f"HTTP {resp.status}: {resp.url}") if resp.status >= 400 else None
         ),
     )
+    return page
+
+
+@pytest.fixture
+def page(browser):
+    page = open_page(browser)
     yield page
-    context.close()
+    page.context.close()
+
+
+@pytest.fixture
+def phone(browser):
+    page = open_page(browser, **PHONE)
+    yield page
+    page.context.close()
+
+
+@pytest.fixture
+def wide(browser):
+    page = open_page(browser, **WIDE)
+    yield page
+    page.context.close()
 
 
 @pytest.mark.parametrize("path", toc_pages())
@@ -135,3 +165,200 @@ def test_math_is_typeset_offline(page, site_url):
     assert typeset.count() > 10
     assert "\\frac" not in page.locator("main").inner_text(), "raw LaTeX left on the page"
     assert page.problems == [], "\n".join(page.problems)
+
+
+# The header's ☰ and "Contents" buttons, those sphinx-book-theme shows above the article
+# (pydata-sphinx-theme's own pair, in its navbar, is hidden).
+PRIMARY_TOGGLE = ".bd-header-article .primary-toggle"
+SECONDARY_TOGGLE = ".bd-header-article .secondary-toggle"
+
+
+@pytest.mark.parametrize("device", [PHONE, TABLET], ids=["400px", "800px"])
+def test_the_navigation_and_the_contents_open_on_a_narrow_screen(browser, site_url, device):
+    page = open_page(browser, **device)
+    page.goto(f"{site_url}/chapters/06-launching.html", wait_until="networkidle")
+    assert page.locator("#pst-primary-sidebar").is_hidden(), "the sidebar shows at this width"
+    page.locator(PRIMARY_TOGGLE).click()
+    navigation = page.locator("#pst-primary-sidebar-modal")
+    expect(navigation).to_be_visible()
+    link = navigation.locator("nav.bd-links a", has_text="Collective communication").first
+    expect(link).to_be_visible()
+    link.click()
+    page.wait_for_url("**/chapters/07-collectives.html")
+    page.wait_for_load_state("networkidle")
+
+    page.locator(SECONDARY_TOGGLE).click()
+    contents = page.locator("#pst-secondary-sidebar-modal")
+    expect(contents).to_be_visible()
+    expect(contents.locator("nav a", has_text="Broadcast").first).to_be_visible()
+    page.keyboard.press("Escape")
+    expect(contents).to_be_hidden()
+    assert page.problems == [], "\n".join(page.problems)
+    page.context.close()
+
+
+def test_the_navigation_collapses_on_a_wide_screen(page, site_url):
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.goto(f"{site_url}/chapters/06-launching.html", wait_until="networkidle")
+    sidebar = page.locator("#pst-primary-sidebar")
+    article = page.locator("main article")
+    expect(sidebar).to_be_visible()
+    narrow = article.bounding_box()["width"]
+    page.locator(PRIMARY_TOGGLE).click()
+    expect(sidebar).to_be_hidden()
+    expect(page.locator("#pst-primary-sidebar-modal")).to_be_hidden()
+    assert article.bounding_box()["width"] > narrow + 100, "the article did not take the room"
+    page.locator(PRIMARY_TOGGLE).click()
+    expect(sidebar).to_be_visible()
+    assert page.problems == [], "\n".join(page.problems)
+
+
+@pytest.mark.parametrize("device", [PHONE, {}], ids=["touch", "mouse"])
+def test_no_tooltip_stays_over_the_header_after_a_click(browser, site_url, device):
+    page = open_page(browser, **device)
+    page.goto(f"{site_url}/chapters/06-launching.html", wait_until="networkidle")
+    for button in (PRIMARY_TOGGLE, SECONDARY_TOGGLE, ".bd-header-article .theme-switch-button"):
+        if not page.locator(button).is_visible():
+            continue
+        page.locator(button).tap() if device else page.locator(button).click()
+        page.keyboard.press("Escape")  # closes a sidebar's dialog, where one opened
+        if not device:
+            page.mouse.move(640, 600)
+        page.wait_for_timeout(1000)  # the theme shows a tooltip 500 ms after a hover or focus
+        tooltips = page.locator(".tooltip").all_inner_texts()
+        assert tooltips == [], f"after a click on {button}"
+    assert page.problems == [], "\n".join(page.problems)
+    page.context.close()
+
+
+@pytest.mark.parametrize("path", toc_pages())
+def test_no_page_scrolls_sideways_on_a_phone(phone, site_url, path):
+    phone.goto(f"{site_url}/{path}.html", wait_until="networkidle")
+    width = phone.evaluate("document.documentElement.scrollWidth")
+    widest = phone.evaluate(WIDER_THAN_THE_PAGE)
+    assert width <= PHONE["viewport"]["width"], f"{path} is {width} px wide: {widest}"
+
+
+# Elements that reach past the page's right edge and are not inside a box that scrolls.
+WIDER_THAN_THE_PAGE = """() => {
+  const edge = document.documentElement.clientWidth + 0.5, found = [];
+  const scrolls = (el) => { for (let a = el.parentElement; a; a = a.parentElement)
+    if (getComputedStyle(a).overflowX !== "visible") return true; return false; };
+  for (const el of document.querySelectorAll("main *")) {
+    if (el.getBoundingClientRect().right > edge && !scrolls(el))
+      found.push(el.tagName.toLowerCase() + ": " + el.textContent.trim().slice(0, 60));
+  }
+  return found.slice(0, 5);
+}"""
+
+# Every table, code block and output that is wider than its box: the box scrolls sideways
+# and draws a scrollbar (one that takes room: an overlay scrollbar shows only while one
+# scrolls). Returns what is cut instead.
+CUT = """() => {
+  const cut = [], blocks = "main table, main pre, main mjx-container[display=true]";
+  for (const el of document.querySelectorAll(blocks)) {
+    let box = el.parentElement;
+    while (box && getComputedStyle(box).overflowX === "visible") box = box.parentElement;
+    if (getComputedStyle(el).overflowX !== "visible") box = el;
+    if (!box || box.scrollWidth <= box.clientWidth + 1) continue;
+    const style = getComputedStyle(box);
+    const scrollbar = box.offsetHeight - box.clientHeight
+      - parseFloat(style.borderTopWidth) - parseFloat(style.borderBottomWidth);
+    if (!["auto", "scroll"].includes(style.overflowX) || scrollbar < 4)
+      cut.push(`${el.tagName.toLowerCase()} ${box.scrollWidth} px in ${box.clientWidth} px `
+        + `(overflow ${style.overflowX}, scrollbar ${scrollbar} px): `
+        + el.textContent.trim().slice(0, 60));
+  }
+  return cut;
+}"""
+
+
+@pytest.mark.parametrize("path", toc_pages())
+def test_no_table_or_code_is_cut_on_a_wide_screen(wide, site_url, path):
+    wide.goto(f"{site_url}/{path}.html", wait_until="networkidle")
+    cut = wide.evaluate(CUT)
+    assert cut == [], f"{path}:\n" + "\n".join(cut)
+
+
+# Each Chinese character of the glossary drawn alone, in the font the page gives its cell
+# and in the site's own Chinese font: how many different drawings the page's font makes
+# (a missing glyph is the same empty box for every character), and whether they are the
+# site font's.
+CHINESE_GLYPHS = """async () => {
+  await document.fonts.ready;
+  const cells = [...document.querySelectorAll("main table tbody td:nth-child(2)")];
+  const chars = [...new Set(cells.flatMap(c => [...c.innerText]))]
+    .filter(ch => /[\\u3400-\\u9fff]/.test(ch));
+  const canvas = document.createElement("canvas");
+  canvas.width = canvas.height = 48;
+  const ctx = canvas.getContext("2d", {willReadFrequently: true});
+  const draw = (ch, font) => {
+    ctx.clearRect(0, 0, 48, 48);
+    ctx.font = font;
+    ctx.fillText(ch, 4, 38);
+    return ctx.getImageData(0, 0, 48, 48).data.join();
+  };
+  const page = "32px " + getComputedStyle(cells[0]).fontFamily;
+  const drawn = chars.map(ch => draw(ch, page));
+  return {
+    characters: chars.length,
+    different: new Set(drawn).size,
+    site_font: chars.every((ch, i) => drawn[i] === draw(ch, '32px "Course CJK"')),
+  };
+}"""
+
+
+def test_the_glossarys_chinese_is_drawn_from_the_sites_font(page, site_url):
+    page.goto(f"{site_url}/glossary.html", wait_until="networkidle")
+    glyphs = page.evaluate(CHINESE_GLYPHS)
+    assert glyphs["characters"] > 200
+    assert glyphs["different"] == glyphs["characters"], f"empty boxes: {glyphs}"
+    assert glyphs["site_font"], glyphs
+    assert page.problems == [], "\n".join(page.problems)
+
+
+def test_search_puts_the_chapter_first_and_typesets_the_quotes(page, site_url):
+    page.goto(f"{site_url}/search.html?q=ZeRO", wait_until="networkidle")
+    results = page.locator("ul.search li")
+    results.first.wait_for(timeout=15000)
+    first = results.first.locator("a").first
+    assert first.inner_text() == "ZeRO and FSDP"
+    assert first.get_attribute("href").startswith("chapters/14-zero.html")
+    page.goto(f"{site_url}/search.html?q=bubble", wait_until="networkidle")
+    quotes = page.locator("ul.search li p.context")
+    quotes.first.wait_for(timeout=15000)
+    expect(page.locator("ul.search li p.context mjx-container").first).to_be_attached()
+    page.wait_for_function(
+        "() => ![...document.querySelectorAll('ul.search li p.context')]"
+        ".some(p => p.textContent.includes('\\\\('))",
+        timeout=15000,
+    )
+    assert page.problems == [], "\n".join(page.problems)
+
+
+@pytest.mark.parametrize("lab", ["03-walls", "13-hybrid-parallel"])
+def test_a_labs_explorer_says_it_is_live_in_jupyterlab(page, site_url, lab):
+    page.goto(f"{site_url}/labs/{lab}.html", wait_until="networkidle")
+    note = page.locator(".cell_output", has_text="explorer: a live widget (run this cell in")
+    expect(note).to_have_count(1)
+    expect(note).to_be_visible()
+    assert page.problems == [], "\n".join(page.problems)
+
+
+def test_figures_are_shown_as_wide_as_tools_figures_assumes(page, site_url):
+    """tools.figures sizes the figures' text for these widths and this small print."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from tools.figures import PAGE_PX, SMALL_PRINT_PX, shown_widths
+
+    widths = shown_widths()
+    page.set_viewport_size({"width": 1280, "height": 800})
+    for chapter in sorted({"chapters/11-pipeline-parallel", "chapters/14-zero"}):
+        page.goto(f"{site_url}/{chapter}.html", wait_until="networkidle")
+        for img in page.locator("main figure img").all():
+            name = img.get_attribute("src").rsplit("/", 1)[-1]
+            assert abs(img.bounding_box()["width"] - widths[name]) <= 2, name
+        code = page.locator("main code.literal").first
+        assert code.evaluate("c => getComputedStyle(c).fontSize") == f"{SMALL_PRINT_PX}px"
+    assert widths["11-schedules.png"] == PAGE_PX

@@ -1,0 +1,69 @@
+"""Text in the chapters' figures is at least as large as the page's small print, shown
+at the page's width: a figure's text, in points at its dpi, scaled by how wide its PNG
+is shown on the page (``tools.figures.shown_widths``) over how wide it is."""
+
+from __future__ import annotations
+
+import matplotlib
+import matplotlib.pyplot as plt
+import pytest
+from PIL import Image
+
+from labsupport.viz.style import figure
+from tools import figures
+
+matplotlib.use("Agg")
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def test_text_is_scaled_by_how_wide_the_figure_is_shown():
+    fig, ax = figure(6.0, 2.0)
+    ax.set_title("title", fontsize=12)
+    ax.text(0.5, 0.5, "note", fontsize=9)
+    sizes = dict((text, size) for size, text in figures.text_on_the_page(fig, 600, 300))
+    assert sizes["title"] == pytest.approx(12 * 100 / 72 / 2)  # 12 pt at 100 dpi, halved
+    assert sizes["note"] == pytest.approx(9 * 100 / 72 / 2)
+
+
+def test_every_chapter_figure_is_shown_and_drawn():
+    assert set(figures.shown_widths()) == set(figures.FIGURES)
+    assert figures.shown_widths()["11-schedules.png"] == figures.PAGE_PX  # :width: 100%
+
+
+# Figures still drawn too wide for their text, for a follow-up: the diagrams below need a
+# new layout (a column instead of a row of panels, or shorter box labels), and 10-overlap's
+# and 15-stack's code is in labsupport/labs (lab10_data_parallel.overlap_figure,
+# lab15_megatron.bloom_stack_figure: figure(9.0, ...)). Remove a name once its figure passes.
+TOO_SMALL_YET = {
+    "05-rails.png",
+    "07-collectives.png",
+    "08-ring.png",
+    "10-overlap.png",
+    "12-block.png",
+    "12-split.png",
+    "15-stack.png",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(
+                name in TOO_SMALL_YET, reason="to redraw in a follow-up", strict=True
+            ),
+        )
+        for name in sorted(figures.FIGURES)
+    ],
+)
+def test_a_figures_text_is_no_smaller_than_the_pages_small_print(name):
+    png_px = Image.open(figures.CHAPTERS / "figures" / name).size[0]
+    sizes = figures.text_on_the_page(figures.FIGURES[name](), png_px, figures.shown_widths()[name])
+    small = sorted((round(size, 1), text) for size, text in sizes if size < figures.SMALL_PRINT_PX)
+    assert small == [], f"{name}: text smaller than {figures.SMALL_PRINT_PX} px on the page"
