@@ -20,7 +20,7 @@ STAMP := $(VENV)/.installed
 LABS := $(wildcard labs/*.ipynb)
 MATHJAX := _build/_vendor/mathjax
 
-.PHONY: book test lint unit nbval nbval-portable browser lab execute figures bench stress lock clean \
+.PHONY: book test test-home lint unit nbval nbval-portable browser lab execute figures bench stress lock clean \
 	gpu-check
 
 $(STAMP): requirements.lock pyproject.toml
@@ -40,32 +40,48 @@ $(MATHJAX): $(STAMP)
 book: $(STAMP) $(MATHJAX)
 	$(VENV)/bin/jupyter-book build . --warningiserror --nitpick --keep-going
 
+# What the tests create stays under _build/test, nothing in folders other programs on
+# the machine share: the temporary folder (multiprocessing's, torch.compile's), Jupyter's
+# runtime folder, IPython's history, matplotlib's cache and DeepSpeed's extension builds
+# (a build killed mid-way leaves a lock that would make the next one wait forever).
+TEST_HOME := $(CURDIR)/_build/test
+TEST_DIRS := tmp jupyter ipython matplotlib torch_extensions
+unit nbval nbval-portable browser: export TMPDIR := $(TEST_HOME)/tmp
+unit nbval nbval-portable browser: export JUPYTER_RUNTIME_DIR := $(TEST_HOME)/jupyter
+unit nbval nbval-portable browser: export IPYTHONDIR := $(TEST_HOME)/ipython
+unit nbval nbval-portable browser: export MPLCONFIGDIR := $(TEST_HOME)/matplotlib
+unit nbval nbval-portable browser: export TORCH_EXTENSIONS_DIR := $(TEST_HOME)/torch_extensions
+
+test-home:
+	mkdir -p $(addprefix $(TEST_HOME)/,$(TEST_DIRS))
+	find $(TEST_HOME)/torch_extensions -name lock -delete
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check labsupport tests bench tools labs
 	$(VENV)/bin/ruff format --check labsupport tests bench tools
 
-unit: $(STAMP)
+unit: test-home $(STAMP)
 	$(PY) -m pytest tests --ignore=tests/browser -q
 
 # $(call nbval_run,PREFIX): nbval on every lab, the command prefixed (environment, load).
 nbval_run = cd labs && $(1) ../$(PY) -m pytest --nbval $(notdir $(LABS)) \
 	--nbval-sanitize-with ../tests/nbval_sanitize.cfg -p no:cacheprovider -q
 
-nbval: $(STAMP)
+nbval: test-home $(STAMP)
 	$(call nbval_run,)
 
 # The stored outputs must hold on learners' machines too: re-run every lab with the
 # vector kernels of a CPU without AVX2 (and one without AVX-512), one and four threads
 # per rank, and two busy processes beside it.
 # (torch.compile's cache does not key on the capability: each run gets its own.)
-nbval-portable: $(STAMP)
+nbval-portable: test-home $(STAMP)
 	$(call nbval_run,ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
 		LABSUPPORT_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/_build/inductor-default)
 	$(call nbval_run,ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
 		LABSUPPORT_THREADS=4 TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/_build/inductor-avx2 \
 		../$(PY) ../tools/busy.py 2 --)
 
-browser: book
+browser: test-home book
 	$(PY) -m pytest tests/browser -q
 
 test: lint unit nbval nbval-portable book browser
