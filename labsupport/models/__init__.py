@@ -3,7 +3,9 @@
 * :mod:`~labsupport.models.gpt`: the course's one GPT (nanoGPT's GPT-2);
 * :mod:`~labsupport.models.mlp`: an MLP, and the residual MLP stack of chapter 4;
 * :mod:`~labsupport.models.cnn`: a LeNet-style CNN;
-* :mod:`~labsupport.models.data`: random tokens and regression data from a seed.
+* :mod:`~labsupport.models.data`: random tokens and regression data from a seed;
+* :mod:`~labsupport.models.fp8`: FP8 quantization (per tensor, per block, delayed) and the
+  scaled matmul a linear layer trained in FP8 computes.
 """
 
 from labsupport.models.cnn import SmallCNN
