@@ -134,10 +134,22 @@ def test_sampler_epochs_are_distributed_samplers():
             assert indices == list(sampler)
 
 
-def test_summing_with_lr_over_n_is_averaging():
-    mean = launch(tools.average_or_sum, 2, args=("mean", 0.1, 1), timeout=120)[0]
-    summed = launch(tools.average_or_sum, 2, args=("sum", 0.05, 1), timeout=120)[0]
+def test_summing_with_lr_over_n_is_averaging_for_sgd_and_hardly_matters_to_adam():
+    cases = [
+        ("sgd", "mean", 0.1),
+        ("sgd", "sum", 0.05),
+        ("adam", "mean", 1e-3),
+        ("adam", "sum", 1e-3),
+    ]
+    runs = launch(tools.summing_runs, 2, args=(cases,), timeout=120)[0]
+    mean, summed = runs[cases[0]]["params"], runs[cases[1]]["params"]
     assert torch.allclose(mean, summed, rtol=0, atol=1e-6)
+    start = torch.nn.utils.parameters_to_vector(lab.make_gpt().parameters()).detach()
+    adam_mean, adam_sum = runs[cases[2]], runs[cases[3]]
+    moved = (adam_mean["params"] - start).norm()
+    assert (adam_sum["params"] - adam_mean["params"]).norm() < 0.01 * moved
+    # what clipping compares with its threshold: exactly N times larger
+    assert adam_sum["norms"][0] == 2 * adam_mean["norms"][0]
 
 
 # --------------------------------------------------------------------------- exercises

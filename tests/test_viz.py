@@ -296,6 +296,35 @@ def test_wasted_fraction_curve_is_least_at_youngs_interval():
     assert any("every 16 min" in t for t in texts(ax))
 
 
+def test_fp8_errors_draw_a_line_per_recipe_in_percent():
+    table = {0: {"bf16": 0.002, "E4M3 blocks": 0.037}, 1e6: {"bf16": 0.002, "E4M3 blocks": 0.9}}
+    ax = one_device.draw_fp8_errors(table).axes[0]
+    bf16, blocks = ax.lines[:2]
+    assert list(bf16.get_xdata()) == [1, 1e6]  # no outliers drawn at 1 on the log axis
+    assert list(blocks.get_ydata()) == pytest.approx([3.7, 90.0])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["bf16", "E4M3 blocks"]
+    assert ax.lines[2].get_xdata()[0] == 448 / 2**-6  # E4M3's normal range, dotted
+
+
+def test_lanes_legend_names_every_colour_of_a_step():
+    from labsupport.viz import data_parallel as dp_figures
+
+    events = [("forward", 0.0), ("backward", 0.01), ("grad w", 0.02),
+              ("all-reduce start bucket 0", 0.02), ("all-reduce finished bucket 0", 0.03),
+              ("waited", 0.03), ("step", 0.04)]  # fmt: skip
+    lanes = dp_figures.step_lanes([events])
+    fig = dp_figures.draw_lanes({"a step": lanes}, legend=dp_figures.STEP_LEGEND)
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        label for label, _ in dp_figures.STEP_LEGEND
+    ]
+    used = {color for bars in lanes.values() for *_, color in bars}
+    assert used - {"#bbbbbb"} <= {color for _, color in dp_figures.STEP_LEGEND} | {
+        style.rank_color(4)
+    }
+    assert not dp_figures.draw_lanes({"a step": lanes}).legends  # none unless asked
+
+
 def test_resumed_curve_splits_at_the_checkpoint():
     straight = [5.0, 4.0, 3.0, 2.5, 2.0]
     ax = reliability_figures.draw_resumed(straight, straight, resumed_at=3, killed_at=4)

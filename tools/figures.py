@@ -19,7 +19,7 @@ from matplotlib.text import Text
 from labsupport import launch
 from labsupport.estimate import moe as moe_estimate
 from labsupport.estimate.tensor_parallel import layer_costs
-from labsupport.labs import lab04_checkpointing, lab07_collectives, lab18_moe
+from labsupport.labs import lab04_checkpointing, lab04_fp8, lab07_collectives, lab18_moe
 from labsupport.labs.lab06_launching import global_rank
 from labsupport.labs.lab15_megatron import bloom_stack_figure
 from labsupport.models import MLPStack
@@ -53,6 +53,12 @@ def checkpoint_memory(layers: int = 16, batch: int = 512, d: int = 64):
     stack, x = MLPStack(layers, d), torch.randn(batch, d)
     measured = {c: lab04_checkpointing.step_memory(stack, x, c) for c in (None, 1, 2, 4, 8, 16)}
     return one_device.draw_checkpoint_memory(measured, layers, batch, d)
+
+
+def fp8_errors():
+    """Chapter 4: a linear layer's error on ordinary tokens in bf16 and in FP8, with one
+    scale per tensor and with DeepSeek-V3's blocks, as a few tokens' outliers grow."""
+    return one_device.draw_fp8_errors(lab04_fp8.error_table(lab04_fp8.SWEEP))
 
 
 # --------------------------------------------------------------------------- chapters 7, 8
@@ -119,6 +125,7 @@ FIGURES = {
     "02-range.png": dtypes.range_and_precision,
     "04-mixed-precision.png": one_device.mixed_precision_loop_figure,
     "04-checkpointing.png": checkpoint_memory,
+    "04-fp8.png": fp8_errors,
     "01-roofline.png": roofline.datasheet_rooflines,
     "01-hierarchy.png": roofline.memory_hierarchy,
     "13-mesh.png": sharding_figures.mesh_orders_figure,

@@ -139,12 +139,15 @@ def sampler_epochs(n: int, epochs: int = 2, set_epoch: bool = True, shuffle: boo
 # --------------------------------------------------------------------------- sum vs mean
 
 
-def average_or_sum(op: str, lr: float, steps: int = 2) -> torch.Tensor:
-    """On every rank: ``steps`` of SGD on the lab's GPT with the gradients all-reduced
-    and averaged (``op="mean"``) or only summed (``op="sum"``); the parameters after."""
+def average_or_sum(op: str, lr: float, steps: int = 2, optimizer: str = "sgd") -> dict:
+    """On every rank: ``steps`` of SGD (or Adam, ``optimizer="adam"``) on the lab's GPT
+    with the gradients all-reduced and averaged (``op="mean"``) or only summed
+    (``op="sum"``). Returns the parameters after, and each step's gradient norm (what
+    ``clip_grad_norm_`` would compare with its threshold)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_gpt().to(device())
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    kind = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
+    optimizer, norms = kind(model.parameters(), lr=lr), []
     for step in range(steps):
         idx, targets = (
             t[rank * BATCH : (rank + 1) * BATCH].to(device()) for t in global_batch(step, world)
@@ -156,8 +159,18 @@ def average_or_sum(op: str, lr: float, steps: int = 2) -> torch.Tensor:
         else:
             for p in model.parameters():
                 dist.all_reduce(p.grad)
+        norms.append(nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
         optimizer.step()
-    return nn.utils.parameters_to_vector(model.parameters()).detach().cpu()
+    return {
+        "params": nn.utils.parameters_to_vector(model.parameters()).detach().cpu(),
+        "norms": norms,
+    }
+
+
+def summing_runs(cases: list) -> dict:
+    """On every rank: :func:`average_or_sum` for each ``(optimizer, op, lr)`` of
+    ``cases``, in one launch; ``{case: result}``."""
+    return {(opt, op, lr): average_or_sum(op, lr, 2, opt) for opt, op, lr in cases}
 
 
 # --------------------------------------------------------------------------- exercises

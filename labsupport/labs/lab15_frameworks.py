@@ -224,7 +224,8 @@ def accumulation_steps(train_batch_size: int, micro_batch_per_gpu: int, world_si
 @exercise
 def check_accumulation_steps(fn) -> str:
     """Exercise 1: ``fn(train_batch_size, micro_batch_per_gpu, world_size)``."""
-    for batch, micro, world in [(16, 4, 4), (64, 4, 4), (2048, 2, 8), (96, 3, 4), (8, 8, 1)]:
+    cases = [(16, 4, 4), (64, 4, 4), (2048, 2, 8), (192, 1, 8), (96, 3, 4), (8, 8, 1)]
+    for batch, micro, world in cases:
         got, want = fn(batch, micro, world), accumulation_steps(batch, micro, world)
         assert got == want, (
             f"train_batch_size={batch}, micro batch {micro} per GPU, {world} GPUs: got "
@@ -261,6 +262,7 @@ def check_bloom_layout(fn) -> str:
     """Exercise 2: ``fn(nodes, gpus_per_node, tp, pp, global_batch, micro_batch)``."""
     cases = [
         (48, 8, 4, 12, 2048, 2),
+        (48, 8, 4, 12, 192, 1),  # BLOOM's first steps: micro-batches of 1 until 784
         (24, 8, 4, 12, 2048, 2),
         (2, 4, 2, 2, 64, 4),
         (1, 8, 8, 1, 8, 1),

@@ -5,6 +5,8 @@
 * :mod:`~labsupport.models.cnn`: a LeNet-style CNN;
 * :mod:`~labsupport.models.data`: random tokens and regression data from a seed;
 * :mod:`~labsupport.models.moe`: a mixture-of-experts FFN (router, experts, balancing).
+* :mod:`~labsupport.models.fp8`: FP8 quantization (per tensor, per block, delayed) and the
+  scaled matmul a linear layer trained in FP8 computes.
 """
 
 from labsupport.models.cnn import SmallCNN

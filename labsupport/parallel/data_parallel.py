@@ -21,10 +21,12 @@ backward (torch raises at the next forward). Collectives go through ``comm.trace
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from labsupport.comm import traced
 
@@ -73,27 +75,32 @@ class Bucket:
     """Parameters whose gradients travel together, in one flat buffer.
 
     To a communication hook it is torch's ``GradBucket`` (:meth:`index`, :meth:`buffer`,
-    :meth:`parameters`, :meth:`is_last`); it runs its own state in picotron's shape
+    :meth:`gradients`, :meth:`parameters`, :meth:`is_last`, :meth:`set_buffer`, so that
+    torch's hooks, PowerSGD's included, run on it); it runs its own state in picotron's shape
     (``picotron/data_parallel/bucket.py``): :meth:`mark_param_as_ready` until every
     gradient is in, :meth:`launch`, :meth:`wait`, :meth:`reset`.
     """
 
     def __init__(self, index: int, params: list[nn.Parameter], last: bool):
         self._index, self.params, self._last = index, params, last
-        self.grad_data = torch.zeros(
-            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
-        )
-        self.slices, start = {}, 0
-        for p in params:
-            self.slices[id(p)] = slice(start, start + p.numel())
-            start += p.numel()
+        ends = itertools.accumulate(p.numel() for p in params)
+        self.slices = {id(p): slice(e - p.numel(), e) for p, e in zip(params, ends, strict=True)}
+        numel = self.slices[id(params[-1])].stop
+        self.grad_data = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         self.reset()
 
     def index(self) -> int:
         return self._index
 
     def buffer(self) -> torch.Tensor:
-        return self.grad_data
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:  # what buffer() gives, this step
+        self._buffer = tensor
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Each parameter's gradient: a view of the flat buffer in its shape."""
+        return [self.grad_data[self.slices[id(p)]].view_as(p) for p in self.params]
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.params)
@@ -111,7 +118,7 @@ class Bucket:
 
     def reset(self) -> None:  # before a backward pass: every gradient pending
         self.pending = {id(p) for p in self.params}
-        self.future = None
+        self.future, self._buffer = None, self.grad_data
 
     def mark_param_as_ready(self, p: nn.Parameter, scale: float) -> bool:
         """Copy ``p.grad * scale`` into its place in the buffer (zeros if ``p`` has no
@@ -127,9 +134,9 @@ class Bucket:
     def launch(self, hook, state) -> None:  # hook(state, self) returns a Future
         self.future = hook(state, self)
 
-    def wait(self) -> torch.Tensor:  # the reduced flat gradients
+    def wait(self) -> torch.Tensor:  # the reduced flat gradients, in the buffer's dtype
         result = self.future.wait()
-        return result[0] if isinstance(result, list) else result
+        return (result[0] if isinstance(result, list) else result).to(self.grad_data.dtype)
 
 
 def make_buckets(params: list, cap_bytes: int, first_cap_bytes: int | None = None) -> list:
@@ -153,18 +160,11 @@ def _allreduce_by_sum(group, bucket: Bucket) -> torch.futures.Future:
     return traced.all_reduce(bucket.buffer(), group, async_op=True).get_future()
 
 
-def _find_tensors(obj) -> list:
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for x in obj for t in _find_tensors(x)]
-    return [obj] if isinstance(obj, torch.Tensor) else []
-
-
 def reachable_leaves(outputs) -> set[int]:
     """The ids of the leaf tensors that ``outputs``' autograd graph reaches (torch's
     ``Reducer::search_unused_parameters``): their gradient accumulators are in the graph."""
-    stack = [t.grad_fn for t in _find_tensors(outputs) if t.grad_fn is not None]
+    tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
     seen, leaves = set(stack), set()
     while stack:
         for node, _ in stack.pop().next_functions:

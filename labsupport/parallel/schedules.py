@@ -10,7 +10,7 @@ DeepSpeed's ``runtime/pipe/schedule.py`` does with its instruction generators:
   coming in from (going out to) the previous (next) stage, the gradient the other way.
 
 Schedules are drawn and checked before anything runs: :func:`simulate` plays every
-rank's list against the others, message by message, finds a deadlock if there is one,
+rank's list against the others, message by message, finds lists that do not match,
 and gives each action a time slot, from which the bubble is counted. The executor in
 :mod:`labsupport.parallel.pipeline_parallel` runs any of them. Consecutive
 communication actions of a rank are posted together (one ``batch_isend_irecv``), as
@@ -178,7 +178,7 @@ def simulate(lists: list[list[Action]]) -> list[list[tuple[Action, int]]]:
     than NCCL and gloo, which pair the messages between two ranks in posting order, so
     lists that disagree on the order would, run for real, swap micro-batches silently.
     Returns each rank's compute actions with their slot; raises ``RuntimeError`` naming
-    what every rank waits for when none can go on (a deadlock)."""
+    what every rank waits for when none can go on: the lists do not match."""
     p = len(lists)
     queues = [batches(acts) for acts in lists]
     position, clock = [0] * p, [0] * p
@@ -207,7 +207,11 @@ def simulate(lists: list[list[Action]]) -> list[list[tuple[Action, int]]]:
                 for r in range(p)
                 if position[r] < len(queues[r])
             )
-            raise RuntimeError(f"the schedule deadlocks: {waiting}")
+            raise RuntimeError(
+                f"the ranks' lists do not match: {waiting}. Run for real, they would hang, "
+                "or pair messages of different micro-batches (NCCL and gloo pair two ranks' "
+                "messages in the order they are posted) and train on swapped tensors"
+            )
     return timeline
 
 

@@ -5,6 +5,7 @@ bucket size."""
 from __future__ import annotations
 
 import torch
+from matplotlib.patches import Patch
 
 from labsupport.estimate.overlap import overlap_schedule
 from labsupport.models.gpt import GPT, GPT2_SMALL
@@ -14,9 +15,19 @@ from labsupport.viz.style import SMALL, figure, rank_color, subplots
 COMPUTE, COMM, WAIT = "#555555", rank_color(0), "#bbbbbb"
 
 
-def draw_lanes(panels: dict, xlabel: str = "milliseconds since the step started"):
+#: What the colours of :func:`step_lanes` mean, for :func:`draw_lanes`'s ``legend``.
+STEP_LEGEND = [
+    ("forward", "#aaaaaa"),
+    ("backward", COMPUTE),
+    ("optimizer step", rank_color(2)),
+    ("a bucket's all-reduce (two shades alternate)", COMM),
+]
+
+
+def draw_lanes(panels: dict, xlabel: str = "milliseconds since the step started", legend=None):
     """One panel per entry of ``panels``, each a dict ``lane -> [(start, end, color)]``
-    (bars; ``end == start`` draws a tick). Lanes read from top to bottom."""
+    (bars; ``end == start`` draws a tick). Lanes read from top to bottom. ``legend``:
+    ``[(label, color)]`` drawn under the panels, e.g. :data:`STEP_LEGEND`."""
     heights = [0.8 + 0.38 * len(lanes) for lanes in panels.values()]
     size = (len(panels), 1, 8.0, 0.4 + sum(heights))
     fig, axes = subplots(*size, sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights})
@@ -41,7 +52,14 @@ def draw_lanes(panels: dict, xlabel: str = "milliseconds since the step started"
         ax.set_ylim(-0.6, len(names) - 0.4)
         ax.set_title(title, loc="left")
     axes[-1, 0].set_xlabel(xlabel)
-    fig.tight_layout()
+    bottom = 0.0
+    if legend:
+        handles = [Patch(facecolor=color, label=label) for label, color in legend]
+        fig.legend(
+            handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=8
+        )
+        bottom = 0.32 / fig.get_figheight()  # inches kept free for the legend
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     return fig
 
 

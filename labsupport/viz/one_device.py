@@ -1,5 +1,5 @@
-"""Chapter 4, drawn: checkpointing's memory against its formulas, and the loop of
-mixed-precision training."""
+"""Chapter 4, drawn: checkpointing's memory against its formulas, the loop of
+mixed-precision training, and FP8's error with per-tensor and block scales."""
 
 from __future__ import annotations
 
@@ -108,4 +108,28 @@ def mixed_precision_loop_figure():
     ax.set_ylim(-1.6, rows[0] + h + 0.1)
     ax.axis("off")
     ax.set_title("One step of mixed-precision training")
+    return fig
+
+
+def draw_fp8_errors(table: dict, normal_range: float | None = 448 / 2**-6):
+    """Chapter 4 and lab 4: the relative error of a linear layer's output for ordinary
+    tokens against the size of a few tokens' outliers, per recipe.
+
+    ``table`` maps an outlier magnitude (taken as 1 where it is 0: no outliers) to
+    ``{recipe: error}`` (:func:`labsupport.labs.lab04_fp8.error_table`); ``normal_range``
+    marks E4M3's largest over its smallest normal value, beyond which a per-tensor scale
+    pushes ordinary values below the normal range."""
+    fig, ax = figure(6.8, 3.4)
+    magnitudes = [max(m, 1) for m in table]
+    recipes = list(next(iter(table.values())))
+    for i, recipe in enumerate(recipes):
+        errors = [100 * table[m][recipe] for m in table]
+        ax.loglog(magnitudes, errors, "o-", ms=3.5, color=rank_color(i), label=recipe)
+    if normal_range:
+        ax.axvline(normal_range, color="#999999", ls=":", lw=1)
+        ax.text(normal_range * 0.85, 20, "E4M3: 448 / 2⁻⁶", fontsize=8, color="#666666", ha="right")
+    ax.set_xlabel("size of the outliers in a few tokens (the other values: about 1)")
+    ax.set_ylabel("error of ordinary tokens' outputs (%)")
+    ax.legend(fontsize=8, frameon=False, loc="upper left")
+    fig.tight_layout()
     return fig
