@@ -119,7 +119,7 @@ def draw_fp8_errors(table: dict, normal_range: float | None = 448 / 2**-6):
     ``{recipe: error}`` (:func:`labsupport.labs.lab04_fp8.error_table`); ``normal_range``
     marks E4M3's largest over its smallest normal value, beyond which a per-tensor scale
     pushes ordinary values below the normal range."""
-    fig, ax = figure(6.8, 3.4)
+    fig, ax = figure(PAGE_WIDTH, 3.8)
     magnitudes = [max(m, 1) for m in table]
     recipes = list(next(iter(table.values())))
     for i, recipe in enumerate(recipes):
@@ -127,9 +127,10 @@ def draw_fp8_errors(table: dict, normal_range: float | None = 448 / 2**-6):
         ax.loglog(magnitudes, errors, "o-", ms=3.5, color=rank_color(i), label=recipe)
     if normal_range:
         ax.axvline(normal_range, color="#999999", ls=":", lw=1)
-        ax.text(normal_range * 0.85, 20, "E4M3: 448 / 2⁻⁶", fontsize=8, color="#666666", ha="right")
-    ax.set_xlabel("size of the outliers in a few tokens (the other values: about 1)")
-    ax.set_ylabel("error of ordinary tokens' outputs (%)")
-    ax.legend(fontsize=8, frameon=False, loc="upper left")
+        ax.text(normal_range * 0.85, 20, "E4M3: 448 / 2⁻⁶", fontsize=SMALL, color="#666666",
+                ha="right")  # fmt: skip
+    ax.set_xlabel("size of a few tokens' outliers (other values: about 1)")
+    ax.set_ylabel("error, ordinary tokens (%)")
+    ax.legend(fontsize=SMALL, frameon=False, loc="upper left")
     fig.tight_layout()
     return fig
