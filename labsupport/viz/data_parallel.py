@@ -9,16 +9,19 @@ import torch
 from labsupport.estimate.overlap import overlap_schedule
 from labsupport.models.gpt import GPT, GPT2_SMALL
 from labsupport.parallel.data_parallel import make_buckets
-from labsupport.viz.style import SMALL, figure, rank_color, subplots
+from labsupport.viz.style import PAGE_WIDTH, SMALL, figure, rank_color, subplots
 
 COMPUTE, COMM, WAIT = "#555555", rank_color(0), "#bbbbbb"
 
 
-def draw_lanes(panels: dict, xlabel: str = "milliseconds since the step started"):
+def draw_lanes(
+    panels: dict, xlabel: str = "milliseconds since the step started", width: float = 8.0
+):
     """One panel per entry of ``panels``, each a dict ``lane -> [(start, end, color)]``
-    (bars; ``end == start`` draws a tick). Lanes read from top to bottom."""
+    (bars; ``end == start`` draws a tick). Lanes read from top to bottom; the figure is
+    ``width`` inches wide."""
     heights = [0.8 + 0.38 * len(lanes) for lanes in panels.values()]
-    size = (len(panels), 1, 8.0, 0.4 + sum(heights))
+    size = (len(panels), 1, width, 0.4 + sum(heights))
     fig, axes = subplots(*size, sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights})
     for ax, (title, lanes) in zip(axes[:, 0], panels.items(), strict=True):
         names = list(lanes)
@@ -123,4 +126,4 @@ def overlap_figure():
             "forward, backward": compute,
             f"{len(sizes)} all-reduces": bars,
         }
-    return draw_lanes(panels)
+    return draw_lanes(panels, width=PAGE_WIDTH)
