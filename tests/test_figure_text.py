@@ -35,33 +35,7 @@ def test_every_chapter_figure_is_shown_and_drawn():
     assert figures.shown_widths()["11-schedules.png"] == figures.PAGE_PX  # :width: 100%
 
 
-# Figures still drawn too wide for their text, for a follow-up: the diagrams below need a
-# new layout (a column instead of a row of panels, or shorter box labels), and 10-overlap's
-# and 15-stack's code is in labsupport/labs (lab10_data_parallel.overlap_figure,
-# lab15_megatron.bloom_stack_figure: figure(9.0, ...)). Remove a name once its figure passes.
-TOO_SMALL_YET = {
-    "05-rails.png",
-    "07-collectives.png",
-    "08-ring.png",
-    "10-overlap.png",
-    "12-block.png",
-    "12-split.png",
-    "15-stack.png",
-}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                name in TOO_SMALL_YET, reason="to redraw in a follow-up", strict=True
-            ),
-        )
-        for name in sorted(figures.FIGURES)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(figures.FIGURES))
 def test_a_figures_text_is_no_smaller_than_the_pages_small_print(name):
     png_px = Image.open(figures.CHAPTERS / "figures" / name).size[0]
     sizes = figures.text_on_the_page(figures.FIGURES[name](), png_px, figures.shown_widths()[name])

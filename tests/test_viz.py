@@ -84,6 +84,30 @@ def test_draw_collective_colours_values_by_the_rank_they_came_from():
         assert mine == [style.rank_color(rank).lower()] * 3 + [collectives.COMBINED] * 3
 
 
+def test_a_collective_drawn_below_puts_the_result_under_the_input():
+    before = [torch.tensor([1.0, 2.0]) * 10**r for r in range(2)]
+    results = [{"before": b, "ours": torch.tensor([11.0, 22.0])} for b in before]
+    ax = collectives.draw_collective(results, "all_reduce", below=True, labels=False)
+    boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert [(p.get_x(), p.get_y()) for p in boxes] == [
+        (0, 1), (1, 1), (0, -2), (1, -2),  # rank 0: [1, 2] on the top row, its sums below
+        (0, 0), (1, 0), (0, -3), (1, -3),  # rank 1
+    ]  # fmt: skip
+    assert not [t for t in texts(ax) if t.startswith("rank") or t in ("before", "after")]
+
+
+def test_the_collectives_figure_names_the_ranks_once_per_row_of_panels():
+    before = [torch.tensor([1.0, 2.0]) * 10**r for r in range(2)]
+    results = [{"before": b, "ours": torch.tensor([11.0, 22.0])} for b in before]
+    runs = {name: results for name in ("a", "b", "c", "d")}
+    fig = collectives.collectives_figure(runs, columns=3)
+    titles = [ax.get_title(loc="left") for ax in fig.axes]
+    assert titles == ["a", "b", "c", "d", "", ""]  # a key, then an empty cell
+    named = [ax.get_title(loc="left") for ax in fig.axes if "rank 0" in texts(ax)]
+    assert named == ["a", "d"]
+    assert "combined from\nseveral ranks" in texts(fig.axes[4])
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
 def test_the_ring_schedule_completes_each_chunk_where_the_code_says(world):
     steps = collectives.ring_states(world)
@@ -100,6 +124,9 @@ def test_draw_ring_allreduce_shows_every_step():
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titles == ["start", "reduce-scatter step 1", "reduce-scatter step 2",
                       "all-gather step 1", "all-gather step 2"]  # fmt: skip
+    left = {ax.get_title(): ax.get_position().x0 for ax in fig.axes if ax.get_title()}
+    assert left["start"] == left["reduce-scatter step 2"] < left["all-gather step 1"]
+    assert fig.axes[1].get_position().y0 > fig.axes[2].get_position().y0  # step 1 above 2
     assert fig.get_suptitle().startswith("Ring all-reduce on 3 ranks")
     last = next(ax for ax in fig.axes if ax.get_title() == "all-gather step 2")
     assert texts(last).count("Σ") == 3 * 3  # every chunk complete on every rank

@@ -33,7 +33,6 @@ from labsupport.viz import pipeline as pipeline_figures
 from labsupport.viz import reliability as reliability_figures
 from labsupport.viz import sharding as sharding_figures
 from labsupport.viz import tensor_parallel as tp_figures
-from labsupport.viz.style import subplots
 
 
 def ranks_on_two_nodes():
@@ -68,12 +67,11 @@ def collectives_before_after():
     """Chapter 7: the eight primitives on 4 ranks, run for real by labsupport.comm
     (and checked against torch.distributed) through labsupport.launch, on the chapter's
     running example, rank r holding [1, 2, 3, 4] x 10^r."""
-    fig, axes = subplots(4, 2, 11, 10)
-    for ax, name in zip(axes.T.flat, lab07_collectives.PRIMITIVES, strict=True):
-        results = launch(lab07_collectives.run_primitive, 4, args=(name,), timeout=120)
-        lab07_collectives.agreement(results, name)
-        collectives.draw_collective(results, name, ax=ax, width=4)
-    return fig
+    runs = {}
+    for name in lab07_collectives.PRIMITIVES:
+        runs[name] = launch(lab07_collectives.run_primitive, 4, args=(name,), timeout=120)
+        lab07_collectives.agreement(runs[name], name)
+    return collectives.collectives_figure(runs)
 
 
 def ring_all_reduce_steps():

@@ -134,33 +134,35 @@ def alpha_beta_regimes():
 def rail_topology():
     """Chapter 5: four nodes of four GPUs on a rail-optimized two-level fat tree."""
     nodes, gpus, spines = 4, 4, 2
-    fig, ax = figure(9.0, 4.2)
-    node_w, gap, gpu_w = 4.4, 0.5, 0.8
+    fig, ax = figure(0.94 * PAGE_WIDTH, 3.3)
+    ax.set_position((0, 0, 1, 0.9))
+    node_w, gap = 1.42, 0.12  # about an inch to a unit
+    slot = (node_w - 0.16) / gpus
     total = nodes * node_w + (nodes - 1) * gap
 
-    def box(x, y, w, h, face, edge="#555555", text=None, size=8, weight=None):
+    def box(x, y, w, h, face, text=None, weight=None):
         ax.add_patch(
-            FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.03", facecolor=face, edgecolor=edge)
+            FancyBboxPatch(
+                (x, y), w, h, boxstyle="round,pad=0.02", facecolor=face, edgecolor="#555555"
+            )
         )
         if text:
-            ax.text(
-                x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size, weight=weight
-            )
+            ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", weight=weight)
 
     gpu_top = {}
     for j in range(nodes):
         x0 = j * (node_w + gap)
-        box(x0, 0, node_w, 1.9, "#f4f4f4")
-        ax.text(x0 + node_w / 2, 0.12, f"node {j}", ha="center", fontsize=9, weight="bold")
-        box(x0 + 0.25, 0.42, node_w - 0.5, 0.35, "#dddddd", text="NVSwitch (NVLink)", size=7)
+        box(x0, 0, node_w, 1.1, "#f4f4f4")
+        ax.text(x0 + node_w / 2, 0.08, f"node {j}", ha="center", va="bottom", weight="bold")
+        box(x0 + 0.08, 0.36, node_w - 0.16, 0.24, "#dddddd", text="NVSwitch")
         for k in range(gpus):
-            x = x0 + 0.25 + k * (node_w - 0.5) / gpus + 0.07
-            box(x, 1.0, gpu_w, 0.6, "white", text=f"GPU\n{k}", size=7)
-            ax.plot([x + gpu_w / 2] * 2, [0.77, 1.0], color="#999999", lw=1)
-            gpu_top[j, k] = (x + gpu_w / 2, 1.6)
-    leaf_y, leaf_w = 3.3, 2.6
+            x = x0 + 0.08 + k * slot + 0.025
+            box(x, 0.72, slot - 0.05, 0.28, "white", text=str(k))
+            ax.plot([x + slot / 2 - 0.025] * 2, [0.6, 0.72], color="#999999", lw=1)
+            gpu_top[j, k] = (x + slot / 2 - 0.025, 1.0)
+    leaf_y, leaf_w, leaf_h = 1.75, 1.32, 0.28
     leaf_x = [total * (k + 0.5) / gpus - leaf_w / 2 for k in range(gpus)]
-    spine_y, spine_w = 5.1, 3.0
+    spine_y, spine_w = 2.75, 1.32
     spine_x = [total * (s + 0.5) / spines - spine_w / 2 for s in range(spines)]
     for (_node, k), (x, y) in gpu_top.items():
         rail0 = k == 0
@@ -175,40 +177,19 @@ def rail_topology():
         for s in range(spines):
             ax.plot(
                 [leaf_x[k] + leaf_w / 2, spine_x[s] + spine_w / 2],
-                [leaf_y + 0.5, spine_y],
+                [leaf_y + leaf_h, spine_y],
                 color="#777777",
                 lw=1,
                 zorder=0.3,
             )
-        box(leaf_x[k], leaf_y, leaf_w, 0.5, "#e8e8e8", text=f"leaf switch, rail {k}")
+        box(leaf_x[k], leaf_y, leaf_w, leaf_h, "#e8e8e8", text=f"leaf switch, rail {k}")
     for s in range(spines):
-        box(spine_x[s], spine_y, spine_w, 0.5, "#d0d0d0", text=f"spine switch {s}")
-    ax.text(
-        total + 0.3,
-        leaf_y + 0.25,
-        "leaf: one per rail\n(GPU k of every node)",
-        fontsize=8,
-        va="center",
-        color="#555555",
-    )
-    ax.text(
-        total + 0.3,
-        spine_y + 0.25,
-        "spine: joins the rails",
-        fontsize=8,
-        va="center",
-        color="#555555",
-    )
-    ax.text(
-        total + 0.3,
-        1.0,
-        "inside a node:\nNVLink through\nNVSwitch",
-        fontsize=8,
-        va="center",
-        color="#555555",
-    )
-    ax.set_xlim(-0.2, total + 3.2)
-    ax.set_ylim(-0.1, spine_y + 0.7)
+        box(spine_x[s], spine_y, spine_w, leaf_h, "#d0d0d0", text=f"spine switch {s}")
+    ax.set_xlim(-0.04, total + 0.04)
+    ax.set_ylim(-0.04, spine_y + leaf_h + 0.04)
     ax.axis("off")
-    ax.set_title("Rail-optimized fat tree: rail 0 in black, one switch hop between nodes")
+    ax.set_title(
+        "Rail-optimized fat tree: GPU k of every node on leaf k,\n"
+        "so rail 0 (black) is one switch hop between nodes"
+    )
     return fig

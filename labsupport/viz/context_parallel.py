@@ -17,7 +17,7 @@ from labsupport.estimate import context_parallel as est
 from labsupport.estimate.planner import stage_layers
 from labsupport.estimate.published import MODELS
 from labsupport.parallel.context_parallel import Layout, ring_schedule
-from labsupport.viz.style import rank_color, subplots
+from labsupport.viz.style import PAGE_WIDTH, SMALL, rank_color, subplots
 
 MASKED_ALPHA = 0.3  # the half of a diagonal block the causal mask hides, computed anyway
 
@@ -44,27 +44,30 @@ def draw_blocks(ax, by_rank: list, n_chunks: int, title: str = "") -> None:
     ax.set_ylim(1, 0)
     ax.set_aspect("equal")
     ticks = [(i + 0.5) * size for i in range(n_chunks)]
-    ax.set_xticks(ticks, [str(i) for i in range(n_chunks)], fontsize=7)
-    ax.set_yticks(ticks, [str(i) for i in range(n_chunks)], fontsize=7)
+    ax.set_xticks(ticks, [str(i) for i in range(n_chunks)])
+    ax.set_yticks(ticks, [str(i) for i in range(n_chunks)])
     ax.tick_params(length=0)
-    ax.set_xlabel("key chunk", fontsize=8)
-    ax.set_ylabel("query chunk", fontsize=8)
+    ax.set_xlabel("key chunk")
+    ax.set_ylabel("query chunk")
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title, fontsize=SMALL)
 
 
 def ring_steps_figure(steps: list, n_chunks: int, title: str = ""):
-    """One panel per step of the ring: the blocks each rank computes at that step
-    (``steps[step][rank]`` is ``(src, blocks)``, as
+    """One panel per step of the ring, two to a row: the blocks each rank computes at that
+    step (``steps[step][rank]`` is ``(src, blocks)``, as
     :func:`~labsupport.parallel.context_parallel.ring_schedule` gives)."""
     cp = len(steps)
-    fig, axes = subplots(1, cp, 2.6 * cp, 3.2)
-    for step, (ax, row) in enumerate(zip(axes, steps, strict=True)):
+    rows = -(-cp // 2)
+    fig, axes = subplots(rows, 2, PAGE_WIDTH, 3.3 * rows + (0.3 if title else 0), squeeze=False)
+    for ax in axes.flat[cp:]:
+        ax.axis("off")
+    for step, (ax, row) in enumerate(zip(axes.flat, steps, strict=False)):
         draw_blocks(ax, [blocks for _, blocks in row], n_chunks)
         held = ", ".join(f"{rank}←{src}" for rank, (src, _) in enumerate(row))
-        ax.set_title(f"step {step}\nrank←K/V of rank: {held}", fontsize=8)
+        ax.set_title(f"step {step}\nrank←K/V of rank: {held}", fontsize=SMALL)
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(title)
     fig.tight_layout()
     return fig
 
@@ -80,16 +83,17 @@ def draw_work(ax, work: dict, title: str = "") -> None:
         for bar in bars:
             bar.set_alpha(0.45 if i == 0 else 1.0)
         for x, v in zip(xs, values, strict=True):
-            ax.text(x, v + 0.2, f"{v:g}", ha="center", fontsize=7)
+            ax.text(x, v + 0.2, f"{v:g}", ha="center")
         mean = sum(values) / len(values)
         label = f"{layout}: slowest {est.imbalance(values):.2f}x the mean"
         ax.plot([], [], color="#777777", alpha=0.45 if i == 0 else 1.0, lw=6, label=label)
         ax.axhline(mean, color="#777777", lw=0.6, ls="--")
     ax.set_xticks(range(len(work[layouts[0]])), [f"rank {r}" for r in range(len(work[layouts[0]]))])
-    ax.set_ylabel("score blocks, (s/2cp)² each", fontsize=8)
-    ax.legend(fontsize=7, frameon=False, loc="upper left")
+    ax.set_ylabel("blocks of (s/2cp)²")
+    ax.set_ylim(0, 1.45 * max(max(values) for values in work.values()))
+    ax.legend(fontsize=SMALL, frameon=False, loc="upper left")
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title, fontsize=SMALL)
 
 
 def _all_steps(lay: Layout) -> list:
@@ -99,9 +103,12 @@ def _all_steps(lay: Layout) -> list:
 
 
 def balance_figure(cp: int = 4):
-    """The causal score matrix over ``cp`` ranks, contiguous and zig-zag (each block in
-    the colour of the rank that computes it), and the blocks per rank."""
-    fig, axes = subplots(1, 3, 11.5, 3.6)
+    """The causal score matrix over ``cp`` ranks, contiguous and zig-zag side by side (each
+    block in the colour of the rank that computes it), and the blocks per rank below."""
+    fig, _ = subplots(1, 1, PAGE_WIDTH, 6.6)
+    fig.clear()
+    grid = fig.add_gridspec(2, 2, height_ratios=[1.25, 1])
+    axes = [fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])]
     counts = {}
     for ax, name in zip(axes[:2], ("contiguous", "zigzag"), strict=True):
         lay = Layout.contiguous(cp) if name == "contiguous" else Layout.zigzag(cp)
@@ -121,7 +128,7 @@ def variants_figure(seq_len: int = 131072, heads: int = 32, head_dim: int = 128,
     as query heads) and grouped-query attention (8 K/V heads). Ulysses stops where cp
     exceeds the K/V heads."""
     cps = cps or [2, 4, 8, 16, 32]
-    fig, axes = subplots(1, 2, 10.5, 3.6, sharey=True)
+    fig, axes = subplots(1, 2, PAGE_WIDTH, 4.2, sharey=True)
     for ax, kv_heads in zip(axes, (heads, 8), strict=True):
         for variant in est.VARIANTS:
             xs = [c for c in cps if variant != "ulysses" or c <= kv_heads]
@@ -140,23 +147,22 @@ def variants_figure(seq_len: int = 131072, heads: int = 32, head_dim: int = 128,
             ax.plot(xs, ys, ls=style, marker="o", ms=3, color=color, label=label)
             if variant == "ulysses" and xs[-1] < cps[-1]:
                 ax.annotate(
-                    "cp > K/V heads",
+                    f"Ulysses stops at\ncp = {xs[-1]}: cp cannot\nexceed the K/V heads",
                     (xs[-1], ys[-1]),
-                    fontsize=7,
-                    xytext=(4, 6),
-                    textcoords="offset points",
+                    xytext=(0.05, 0.6),
+                    textcoords="axes fraction",
+                    va="center",
+                    arrowprops={"arrowstyle": "->", "color": "#555555", "lw": 0.8},
                 )
         ax.set_xscale("log", base=2)
         ax.set_xticks(cps, [str(c) for c in cps])
         ax.set_xlabel("cp")
         kind = "multi-head" if kv_heads == heads else "grouped-query"
-        ax.set_title(f"{heads} query heads, {kv_heads} K/V heads ({kind})", fontsize=9)
+        ax.set_title(f"{kind}:\n{heads} query heads, {kv_heads} K/V", fontsize=SMALL)
     axes[0].set_ylabel("GB sent per rank and layer")
-    axes[0].legend(fontsize=8, frameon=False)
-    fig.suptitle(
-        f"one sequence of {seq_len:,} tokens, head dim {head_dim}, bf16 (a model)", fontsize=10
-    )
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncols=3, frameon=False)
+    fig.suptitle(f"one sequence of {seq_len:,} tokens, head dim {head_dim}, bf16 (a model)")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
 
@@ -168,7 +174,7 @@ def memory_figure(model: str = "Llama 3 405B", seq_len: int = 131072, tp: int = 
     m = MODELS[model]
     layers = stage_layers(m, pp)
     cps = [1, 2, 4, 8, 16]
-    fig, ax = subplots(1, 1, 6.8, 3.6)
+    fig, ax = subplots(1, 1, 0.85 * PAGE_WIDTH, 3.8)
     for i, (policy, label) in enumerate(
         (("none", "scores kept"), ("selective", "FlashAttention (no scores kept)"))
     ):
@@ -178,20 +184,22 @@ def memory_figure(model: str = "Llama 3 405B", seq_len: int = 131072, tp: int = 
         ]
         ax.plot(cps, ys, marker="o", color=rank_color(i), label=label)
         for c, y in zip(cps, ys, strict=True):
-            ax.text(c, y * 1.25, f"{y:,.0f}" if y >= 10 else f"{y:.1f}", ha="center", fontsize=7)
+            ax.text(c, y * 1.35, f"{y:,.0f}" if y >= 10 else f"{y:.1f}", ha="center")
     ax.axhline(80, color="#777777", ls="--", lw=0.8)
-    ax.text(2.6, 90, "80 GB: one H100", fontsize=7, color="#555555")
+    ax.text(1.9, 95, "80 GB: one H100", color="#555555")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(cps, [str(c) for c in cps])
     ax.set_xlabel("cp")
     ax.set_ylabel("GB per GPU")
     ax.set_title(
-        f"{model}: one pipeline stage ({layers} layers), one sequence of {seq_len:,} tokens,\n"
-        f"TP {tp} with sequence parallelism (a model, GPT-style layers)",
-        fontsize=9,
+        f"{model}: one stage ({layers} layers), {seq_len:,} tokens,\n"
+        f"TP {tp} + sequence parallel (a model, GPT-style layers)",
+        fontsize=SMALL,
     )
-    ax.legend(fontsize=8, frameon=False)
+    ax.set_ylim(1, ax.get_ylim()[1] * 3)
+    ax.set_xlim(0.8, 20)
+    ax.legend(fontsize=SMALL, frameon=False, loc="lower left")
     fig.tight_layout()
     return fig
 

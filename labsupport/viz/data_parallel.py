@@ -10,7 +10,7 @@ from matplotlib.patches import Patch
 from labsupport.estimate.overlap import overlap_schedule
 from labsupport.models.gpt import GPT, GPT2_SMALL
 from labsupport.parallel.data_parallel import make_buckets
-from labsupport.viz.style import SMALL, figure, rank_color, subplots
+from labsupport.viz.style import PAGE_WIDTH, SMALL, figure, rank_color, subplots
 
 COMPUTE, COMM, WAIT = "#555555", rank_color(0), "#bbbbbb"
 
@@ -24,12 +24,18 @@ STEP_LEGEND = [
 ]
 
 
-def draw_lanes(panels: dict, xlabel: str = "milliseconds since the step started", legend=None):
+def draw_lanes(
+    panels: dict,
+    xlabel: str = "milliseconds since the step started",
+    legend=None,
+    width: float = 8.0,
+):
     """One panel per entry of ``panels``, each a dict ``lane -> [(start, end, color)]``
-    (bars; ``end == start`` draws a tick). Lanes read from top to bottom. ``legend``:
-    ``[(label, color)]`` drawn under the panels, e.g. :data:`STEP_LEGEND`."""
+    (bars; ``end == start`` draws a tick). Lanes read from top to bottom; the figure is
+    ``width`` inches wide. ``legend``: ``[(label, color)]`` drawn under the panels, e.g.
+    :data:`STEP_LEGEND`."""
     heights = [0.8 + 0.38 * len(lanes) for lanes in panels.values()]
-    size = (len(panels), 1, 8.0, 0.4 + sum(heights))
+    size = (len(panels), 1, width, 0.4 + sum(heights))
     fig, axes = subplots(*size, sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights})
     for ax, (title, lanes) in zip(axes[:, 0], panels.items(), strict=True):
         names = list(lanes)
@@ -55,10 +61,9 @@ def draw_lanes(panels: dict, xlabel: str = "milliseconds since the step started"
     bottom = 0.0
     if legend:
         handles = [Patch(facecolor=color, label=label) for label, color in legend]
-        fig.legend(
-            handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=8
-        )
-        bottom = 0.32 / fig.get_figheight()  # inches kept free for the legend
+        fig.legend(handles=handles, loc="lower center", ncol=2, frameon=False, fontsize=SMALL)
+        rows = (len(handles) + 1) // 2
+        bottom = (0.1 + 0.28 * rows) / fig.get_figheight()  # inches kept for the legend
     fig.tight_layout(rect=(0, bottom, 1, 1))
     return fig
 
@@ -141,4 +146,4 @@ def overlap_figure():
             "forward, backward": compute,
             f"{len(sizes)} all-reduces": bars,
         }
-    return draw_lanes(panels)
+    return draw_lanes(panels, width=PAGE_WIDTH)

@@ -18,7 +18,7 @@ WHOLE = "#d9d9d9"  # a tensor every rank holds whole
 SUM = "#555555"  # a sum over the ranks
 
 
-def _matrix(ax, x, y, rows, cols, colors, axis, label, cell=0.32):
+def _matrix(ax, x, y, rows, cols, colors, axis, label, cell=0.32, size=9):
     """A ``rows`` x ``cols`` matrix at (x, y), its slices along ``axis`` (0: rows, 1:
     columns) coloured ``colors`` in turn (one colour: the whole matrix)."""
     parts = len(colors)
@@ -35,46 +35,40 @@ def _matrix(ax, x, y, rows, cols, colors, axis, label, cell=0.32):
                     linewidth=0.8,
                 )
             )
-    ax.text(x + cols * cell / 2, y + 0.15, label, ha="center", va="bottom", fontsize=9)
+    ax.text(x + cols * cell / 2, y + 0.15, label, ha="center", va="bottom", fontsize=size)
     return x + cols * cell
 
 
 def draw_linear_split(t: int = 4, in_features: int = 8, out_features: int = 12, rows: int = 3):
     """``Y = X Aᵀ`` with ``A`` (``out x in``) split over ``t`` ranks: by columns of ``Aᵀ``
     (each rank its output features, then an all-gather) and by rows of ``Aᵀ`` (each rank
-    its input features, partial sums, then an all-reduce)."""
+    its input features, partial sums, then an all-reduce); one above the other."""
     ranks = [rank_color(r) for r in range(t)]
-    fig, (left, right) = subplots(1, 2, 13.0, 3.6)
-    c = 0.32
-    x = _matrix(left, 0, 0, rows, in_features, [WHOLE], 0, "X (every rank)")
-    left.text(x + 0.25, -rows * c / 2, "×", fontsize=14, va="center")
-    x = _matrix(left, x + 0.7, 0, in_features, out_features, ranks, 1, "Aᵀ: rank r holds columns r")
-    left.text(x + 0.25, -rows * c / 2, "=", fontsize=14, va="center")
-    x = _matrix(left, x + 0.7, 0, rows, out_features, ranks, 1, "Y_r = X A_rᵀ on rank r")
-    left.text(
-        x - out_features * c / 2,
-        -rows * c - 0.55,
-        "all-gather (gather_output) → Y",
-        ha="center",
-        fontsize=9,
-    )
-    left.set_title("Column-parallel: split the output features", fontsize=10, loc="left")
-    x = _matrix(right, 0, 0, rows, in_features, ranks, 1, "X: rank r uses columns r")
-    right.text(x + 0.25, -rows * c / 2, "×", fontsize=14, va="center")
-    x = _matrix(right, x + 0.7, 0, in_features, out_features, ranks, 0, "Aᵀ: rank r holds rows r")
-    right.text(x + 0.25, -rows * c / 2, "=", fontsize=14, va="center")
-    x = _matrix(right, x + 0.7, 0, rows, out_features, [SUM], 0, "Σ over r of X_r A_rᵀ")
-    right.text(
-        x - out_features * c / 2,
-        -rows * c - 0.55,
-        "all-reduce (g) of the partial sums",
-        ha="center",
-        fontsize=9,
-    )
-    right.set_title("Row-parallel: split the input features", fontsize=10, loc="left")
-    for ax in (left, right):
-        ax.set_xlim(-0.2, x + 0.2)
-        ax.set_ylim(-in_features * c - 0.3, 0.8)
+    fig, (top, bottom) = subplots(2, 1, PAGE_WIDTH, 5.4)
+    c, size = 0.32, SMALL
+    x = _matrix(top, 0, 0, rows, in_features, [WHOLE], 0, "X\n(every rank)", size=size)
+    top.text(x + 0.2, -rows * c / 2, "×", fontsize=14, va="center")
+    x = _matrix(top, x + 0.7, 0, in_features, out_features, ranks, 1, "Aᵀ: rank r holds\ncolumns r",
+                size=size)  # fmt: skip
+    top.text(x + 0.2, -rows * c / 2, "=", fontsize=14, va="center")
+    x = _matrix(top, x + 0.7, 0, rows, out_features, ranks, 1, "Y_r = X A_rᵀ\non rank r",
+                size=size)  # fmt: skip
+    top.text(x - out_features * c / 2, -rows * c - 0.3, "all-gather\n(gather_output) → Y",
+             ha="center", va="top")  # fmt: skip
+    top.set_title("Column-parallel: split the output features", loc="left")
+    x = _matrix(bottom, 0, 0, rows, in_features, ranks, 1, "X: rank r uses\ncolumns r", size=size)
+    bottom.text(x + 0.2, -rows * c / 2, "×", fontsize=14, va="center")
+    x = _matrix(bottom, x + 0.7, 0, in_features, out_features, ranks, 0,
+                "Aᵀ: rank r holds\nrows r", size=size)  # fmt: skip
+    bottom.text(x + 0.2, -rows * c / 2, "=", fontsize=14, va="center")
+    x = _matrix(bottom, x + 0.7, 0, rows, out_features, [SUM], 0, "Σ over r\nof X_r A_rᵀ",
+                size=size)  # fmt: skip
+    bottom.text(x - out_features * c / 2, -rows * c - 0.3, "all-reduce (g)\nof the partial sums",
+                ha="center", va="top")  # fmt: skip
+    bottom.set_title("Row-parallel: split the input features", loc="left")
+    for ax in (top, bottom):
+        ax.set_xlim(-0.1, x + 0.1)
+        ax.set_ylim(-in_features * c - 0.1, 1.0)
         ax.set_aspect("equal")
         ax.axis("off")
     fig.tight_layout()
@@ -84,47 +78,46 @@ def draw_linear_split(t: int = 4, in_features: int = 8, out_features: int = 12, 
 def draw_block(t: int = 2):
     """The parallel MLP and attention of a transformer block on ``t`` ranks: *f* before
     the column-parallel layer (identity forward, all-reduce backward), *g* after the
-    row-parallel one (all-reduce forward, identity backward)."""
-    fig, axes = subplots(2, 1, 11.0, 1.2 * t + 2.6)
+    row-parallel one (all-reduce forward, identity backward). The flow runs downwards, the
+    MLP left, attention right."""
+    fig, axes = subplots(1, 2, PAGE_WIDTH, 6.0)
     halves = [
-        ("MLP", ["c_fc: X A_r\n(column)", "GeLU", "c_proj: Y_r B_r\n(row)"]),
-        (
-            "Attention",
-            [
-                "c_attn: Q, K, V\nof heads r (column)",
-                "attention\nof heads r",
-                "c_proj: Y_r B_r\n(row)",
-            ],
-        ),
-    ]
+        ("MLP", ["c_fc\nX A_r (column)", "GeLU", "c_proj\nY_r B_r (row)"]),
+        ("Attention", ["c_attn: Q, K, V\nheads r (column)", "attention\nheads r",
+                       "c_proj\nheads r (row)"]),
+    ]  # fmt: skip
+    w, gap = 1.45, 0.1  # a rank's column of boxes, and between two ranks'
+    span = t * w + (t - 1) * gap
+    mid = span / 2
     for ax, (name, steps) in zip(axes, halves, strict=True):
-        _box(ax, 0, t / 2 - 0.35, 1.2, 0.7, "X", WHOLE)
-        _box(ax, 1.7, t / 2 - 0.35, 0.9, 0.7, "f", "white")
+        levels = [6.5, 5.65, 4.2, 3.0, 1.8, 0.9, 0.05]  # X, f, the three steps, g, Z
+        _box(ax, mid - 0.4, levels[0], 0.8, 0.45, "X", WHOLE, fontsize=SMALL)
+        _box(ax, mid - 0.4, levels[1], 0.8, 0.45, "f", "white", fontsize=SMALL)
+        _arrow(ax, (mid, levels[0]), (mid, levels[1] + 0.45))
         for r in range(t):
-            y = t - 1 - r
+            x = r * (w + gap)
             for i, text in enumerate(steps):
-                _box(ax, 3.1 + 2.3 * i, y + 0.1, 2.0, 0.8, text, rank_color(r), alpha=0.55)
-            ax.text(2.95, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=8)
-        _box(ax, 10.1, t / 2 - 0.35, 0.9, 0.7, "g", "white")
-        _box(ax, 11.5, t / 2 - 0.35, 1.2, 0.7, "Z", WHOLE)
-        _arrow(ax, (1.2, t / 2), (1.7, t / 2))
-        _arrow(ax, (11.0, t / 2), (11.5, t / 2))
-        for r in range(t):
-            y = t - 1 - r + 0.5
-            _arrow(ax, (2.6, t / 2), (3.1, y))
-            for i in range(len(steps) - 1):
-                _arrow(ax, (5.1 + 2.3 * i, y), (5.4 + 2.3 * i, y))
-            _arrow(ax, (9.7, y), (10.1, t / 2))
-        ax.text(
-            0,
-            t + 0.25,
-            f"{name}: f = identity forward, all-reduce backward; "
-            "g = all-reduce forward, identity backward",
-            fontsize=9,
-        )
-        ax.set_xlim(-0.1, 12.8)
-        ax.set_ylim(-0.1, t + 0.6)
+                _box(ax, x, levels[2 + i], w, 0.8, text, rank_color(r), alpha=0.55,
+                     fontsize=SMALL)  # fmt: skip
+                if i:
+                    _arrow(ax, (x + w / 2, levels[1 + i]), (x + w / 2, levels[2 + i] + 0.8))
+            ax.text(x + w / 2, levels[2] + 0.85, f"rank {r}", ha="center", va="bottom")
+            _arrow(ax, (mid, levels[1]), (x + w / 2, levels[2] + 1.2))
+            _arrow(ax, (x + w / 2, levels[4]), (mid, levels[5] + 0.45))
+        _box(ax, mid - 0.4, levels[5], 0.8, 0.45, "g", "white", fontsize=SMALL)
+        _box(ax, mid - 0.4, levels[6], 0.8, 0.45, "Z", WHOLE, fontsize=SMALL)
+        _arrow(ax, (mid, levels[5]), (mid, levels[6] + 0.45))
+        ax.set_title(name)
+        ax.set_xlim(-0.05, span + 0.05)
+        ax.set_ylim(levels[-1] - 0.05, levels[0] + 0.5)
         ax.axis("off")
+    fig.text(
+        0.5,
+        0.0,
+        "f: identity forward, all-reduce backward\ng: all-reduce forward, identity backward",
+        ha="center",
+        va="top",
+    )
     fig.tight_layout()
     return fig
 
@@ -133,7 +126,7 @@ def _arrow(ax, start, end):
     ax.annotate("", xy=end, xytext=start, arrowprops={"arrowstyle": "->", "lw": 1.0})
 
 
-def _box(ax, x, y, w, h, text, color, alpha=1.0):
+def _box(ax, x, y, w, h, text, color, alpha=1.0, fontsize=8):
     ax.add_patch(
         FancyBboxPatch(
             (x, y),
@@ -145,7 +138,7 @@ def _box(ax, x, y, w, h, text, color, alpha=1.0):
             alpha=alpha,
         )
     )
-    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8)
+    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
 
 
 def draw_layer_costs(rows: list[dict], title: str):
