@@ -128,6 +128,7 @@ FIGURES = {
     "11-schedules.png": pipeline_figures.schedules_figure,
     "11-held.png": pipeline_figures.held_figure,
     "11-bubble.png": pipeline_figures.bubble_figure,
+    "11-zero-bubble.png": pipeline_figures.zero_bubble_figure,
     "12-split.png": tp_figures.draw_linear_split,
     "12-block.png": tp_figures.draw_block,
     "12-cost.png": lambda: tp_figures.draw_layer_costs(

@@ -12,6 +12,7 @@ the laptop. The activations the blocks keep are counted by
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -83,9 +84,11 @@ def micro_batches(m: int, seed: int = 1) -> tuple[list, list]:
     return list(idx.split(MICRO_BATCH)), list(targets.split(MICRO_BATCH))
 
 
+@functools.cache
 def reference_gradients(m: int) -> dict:
     """The gradients of one process running the whole batch (the mean loss over all its
-    sequences), by parameter name; the tied output weight is the token embedding's."""
+    sequences), by parameter name; the tied output weight is the token embedding's.
+    Computed once per ``m`` (read them, do not change them)."""
     model = build()
     idx, targets = micro_batches(m)
     model(torch.cat(idx), torch.cat(targets))[1].backward()

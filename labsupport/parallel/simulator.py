@@ -115,11 +115,17 @@ def _arrival(waited: tuple, rank: int, sent: dict) -> int | None:
     got, slot = messages[index]
     if got != a:
         raise RuntimeError(
-            f"the lists do not match: rank {rank} posts {a} as its receive number {index} "
-            f"from rank {other}, which sends it a message for {got} there; run as is, the "
-            "ranks would exchange same-shaped tensors of the wrong micro-batches, silently"
+            f"the lists do not match: rank {rank}'s receive number {index} from rank "
+            f"{other} is for {_what(a)}, but rank {other}'s message number {index} to rank "
+            f"{rank} is {_what(got)}; run as is, the ranks would swap the two tensors "
+            "without an error"
         )
     return slot
+
+
+def _what(a: Action) -> str:
+    kind = "the activation" if a.kind == "recv_act" else "the gradient"
+    return f"{kind} of micro-batch {a.microbatch} (chunk {a.chunk})"
 
 
 _MATCH = {
