@@ -135,6 +135,7 @@ FIGURES = {
         layer_costs(), "GPT-3 175B on H100s, per GPU (modelled, not measured)"
     ),
     "12-activations.png": tp_figures.draw_activations,
+    "12-sequence-parallel.png": tp_figures.draw_sequence_parallel_shapes,
     "18-params.png": total_and_active,
     "18-imbalance.png": rows_per_expert,
     "18-dispatch.png": dispatch,

@@ -186,3 +186,46 @@ def draw_activations(model: str = "GPT-3 175B", t_values=(1, 2, 4, 8)):
     ax.set_title(f"{model}: activations of one layer, one sequence of {s} tokens", fontsize=10)
     ax.legend(fontsize=8, frameon=False)
     return fig
+
+
+def draw_sequence_parallel_shapes(t: int = 4):
+    """One transformer block with tensor and sequence parallelism on ``t`` ranks, region
+    by region, with the shape of the activation each rank holds there (``s`` tokens,
+    ``b`` sequences, width ``h``, ``a`` heads): sequence-split around the LayerNorms,
+    dropouts and residual additions, split by heads or hidden features inside attention
+    and the MLP, all-gathers (*g*) and reduce-scatters (*ḡ*) between."""
+    steps = [
+        ("LayerNorm,\ndropout,\nresidual", f"s/{t} × b × h", "sequence"),
+        ("g:\nall-gather", "", "collective"),
+        ("Q, K, V\n(column)", f"s × b × 3h/{t}", "split"),
+        ("attention\nof a/t heads", f"s × b × h/{t}", "split"),
+        ("out proj.\n(row)", "s × b × h\npartial sums", "sum"),
+        ("ḡ:\nreduce-\nscatter", "", "collective"),
+        ("LayerNorm,\ndropout,\nresidual", f"s/{t} × b × h", "sequence"),
+        ("g:\nall-gather", "", "collective"),
+        ("MLP up,\nGeLU\n(column)", f"s × b × 4h/{t}", "split"),
+        ("MLP down\n(row)", "s × b × h\npartial sums", "sum"),
+        ("ḡ:\nreduce-\nscatter", "", "collective"),
+    ]
+    colors = {"sequence": rank_color(0), "split": rank_color(1), "sum": SUM, "collective": "white"}
+    fig, ax = figure(14.0, 2.6)
+    x = 0.0
+    for i, (name, shape, kind) in enumerate(steps):
+        w = 0.9 if kind == "collective" else 1.45
+        _box(ax, x, 0.9, w, 0.9, name, colors[kind], alpha=1.0 if kind == "collective" else 0.45)
+        if shape:
+            ax.text(x + w / 2, 0.55, shape, ha="center", va="top", fontsize=8)
+        if i < len(steps) - 1:
+            _arrow(ax, (x + w, 1.35), (x + w + 0.15, 1.35))
+        x += w + 0.15
+    ax.text(
+        0,
+        2.05,
+        f"per rank, t = {t}: the sequence split (s/{t} tokens) where each token is computed "
+        "alone; heads or hidden features split inside attention and the MLP",
+        fontsize=9,
+    )
+    ax.set_xlim(-0.1, x)
+    ax.set_ylim(0, 2.3)
+    ax.axis("off")
+    return fig
