@@ -379,3 +379,20 @@ def test_full_recomputation_runs_in_the_stages_and_gives_the_same_gradients():
         for n, g in r["grads"].items():
             torch.testing.assert_close(g, want["wte.weight" if n == "lm_head.weight" else n],
                                        **TOL, msg=n)  # fmt: skip
+
+
+def test_stages_of_unequal_cost_run_at_the_slowest_ones_pace():
+    """Durations per rank: 1F1B's step is (m + p - 1) ticks of the slowest stage when all
+    stages but one are fast, and the bubble formula holds when all are equal."""
+    p, m = 4, 8
+    lists = S.build("1f1b", p, m)
+
+    def cost(slow):
+        return lambda rank, a: (3 if rank == slow else 1) * (1 if a.kind == "forward" else 2)
+
+    even = simulator.simulate(lists, durations=lambda rank, a: 1 if a.kind == "forward" else 2)
+    assert simulator.span(even, lambda rank, a: 1 if a.kind == "forward" else 2) == 3 * (m + p - 1)
+    for slow in range(p):
+        timeline = simulator.simulate(lists, durations=cost(slow))
+        assert simulator.span(timeline, cost(slow)) >= 9 * m  # the slow rank's own work
+        assert simulator.span(timeline, cost(slow)) < 3 * 3 * (m + p - 1)
