@@ -165,8 +165,29 @@ def test_check_gpipe_schedule(capsys):
         (one_f_one_b, "hold .* micro-batches at their peak"),
         (sends_before_computing, "send_act 0 before forward 0"),
         (first_stage_receives, "rank 0 is the first stage"),
-        (mixed_orders, "lists do not match"),
+        (mixed_orders, "the lists do not match"),
         (lambda p, m, rank: None, "return a list of schedules.Action"),
     ]
     verified = "GPipe as data"
     checks(capsys, lab.check_gpipe_schedule, LAB, "my_gpipe", verified, mistakes)
+
+
+def test_zero_bubble_steps_and_torchs_schedule_give_one_process_gradients():
+    """The lab's zero-bubble runs (its GPT on 2 ranks: 2 stages of 4 blocks, or a V of 4
+    stages of 2) and torch's ScheduleDualPipeV on the same stages, the tied embedding's
+    two copies added as the course's executor adds them."""
+    from labsupport.labs import lab11_zero_bubble as zb
+
+    cases = [("zb-h1", 3, 1), ("zbv", 3, 2), ("dualpipev", 4, 2)]
+    per_rank = launch(zb.zero_bubble_steps, 2, args=(cases, ("dualpipev", 4)), timeout=300)
+    for (_, m, _), results in zip(cases, lab.by_case([r["ours"] for r in per_rank]), strict=True):
+        assert lab.gradients_match(results, m)
+    assert lab.gradients_match([r["torch"] for r in per_rank], 4)
+
+
+def test_chunk_runs_counts_stretches_of_one_chunk():
+    from labsupport.labs import lab11_zero_bubble as zb
+
+    assert zb.chunk_runs(schedules.build("1f1b", 2, 4)[0]) == 1
+    assert zb.chunk_runs(schedules.build("looped-bfs", 4, 8, 2)[0]) == 3
+    assert zb.chunk_runs(schedules.build("interleaved", 4, 8, 2)[0]) > 3

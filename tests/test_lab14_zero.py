@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from notebook_solutions import solution, stub
 
 from labsupport import launch
@@ -98,3 +99,38 @@ def test_min_ranks_checker_rejects_rounding_down_and_ignoring_what_stays_whole()
         lab14_zero.check_min_ranks(round_down)
     with pytest.raises(AssertionError, match="stays whole"):
         lab14_zero.check_min_ranks(all_sharded)
+
+
+def test_fsdp2_in_practice_and_zero3_prefetch():
+    """One launch: HSDP on a 2 x 2 mesh, FSDP2 with explicit prefetching, and gradient
+    accumulation with the first micro-batch's sync off all train as plain Adam does;
+    reshard_after_forward keeps a quarter, all, or half of the blocks after forward;
+    bf16 compute with fp32 storage, gradients and reduction; ZeRO-3 holds the root and
+    1 + k blocks with k prefetched, and trains the same whatever k."""
+    from labsupport.labs import lab14_fsdp2
+
+    reference, one_step = lab14_zero.plain_adam(), lab14_zero.plain_adam(1)
+    ranks = launch(lab14_fsdp2.fsdp2_practice, 4, timeout=300)
+    # after forward, the four ranks hold the blocks once between them (rows split 4 ways)
+    assert sum(r["after forward"]["True"] for r in ranks) == ranks[0]["whole blocks"]
+    for r in ranks:
+        hsdp = r["hsdp"]
+        assert hsdp["placements"] == "(Replicate(), Shard(dim=0))"
+        assert hsdp["local"] == (36, 18) and hsdp["whole"] == (72, 18)  # sharded over 2
+        for run in (hsdp, r["prefetch"]):
+            assert not lab14_zero.param_mismatches(run["params"], reference["params"])
+            for got, want in zip(run["losses"], reference["losses"], strict=True):
+                assert abs(got - want) < lab14_zero.LOSS_TOL
+        assert not lab14_zero.param_mismatches(r["accumulated"], one_step["params"])
+        whole, kept = r["whole blocks"], r["after forward"]
+        assert kept["False"] == whole and kept["2"] * 2 == whole
+        mixed = r["mixed"]
+        assert mixed["compute"] == ("torch.bfloat16", "torch.bfloat16")
+        assert mixed["stored"] == mixed["gradient"] == "torch.float32"
+        assert abs(mixed["loss"] - mixed["fp32 loss"]) < 0.05  # bf16: 3 significant digits
+        zero3 = r["zero3"]
+        *blocks, root = zero3[0]["units"]
+        for k, run in zero3.items():
+            assert run["peak"] == root + (1 + k) * blocks[0]
+            assert run["loss"] == zero3[0]["loss"]
+            assert all(torch.equal(run["params"][n], p) for n, p in zero3[0]["params"].items())

@@ -10,6 +10,7 @@ from labsupport import LaunchError, launch
 from labsupport.models import GPT, GPTConfig, random_tokens
 from labsupport.parallel import pipeline_parallel as pp
 from labsupport.parallel import schedules as S
+from labsupport.parallel import simulator
 from labsupport.parallel.parallel_state import Mesh
 
 MB, T = 2, 8  # sequences per micro-batch, tokens per sequence
@@ -59,10 +60,11 @@ def pipeline_grads(name: str, layers: int, m: int, v: int, tied: bool, **options
     p, rank = dist.get_world_size(), dist.get_rank()
     groups = Mesh(dp=1, tp=1, pp=p).process_groups()
     model = gpt(layers, tied, **options)
-    chunks = pp.stage_modules(model, p, rank, v)
+    chunks = pp.stage_modules(model, p, rank, v, S.style(name))
     actions = S.build(name, p, m, v)[rank]
     idx, targets = micro_batches(m)
-    out = pp.run(chunks, actions, idx, targets, (MB, T, 16), groups["pp"], groups.get("embedding"))
+    out = pp.run(chunks, actions, idx, targets, (MB, T, 16), groups["pp"], groups.get("embedding"),
+                 style=S.style(name))  # fmt: skip
     return {
         "grads": stage_grads(chunks, model),
         "losses": out["losses"],
@@ -74,13 +76,12 @@ CASES = [
     ("gpipe", 2, 3, 1), ("gpipe", 3, 1, 1), ("gpipe", 4, 5, 1),
     ("1f1b", 2, 1, 1), ("1f1b", 3, 5, 1), ("1f1b", 4, 2, 1), ("1f1b", 4, 6, 1),
     ("naive", 3, 2, 1), ("interleaved", 2, 4, 2), ("interleaved", 3, 3, 2),
+    ("looped-bfs", 3, 2, 2), ("looped-bfs", 2, 3, 3),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "p", "m", "v"), CASES)
-def test_every_schedule_gives_the_gradients_of_one_process(name, p, m, v):
-    layers = p * v
-    results = launch(pipeline_grads, p, args=(name, layers, m, v, True), timeout=180)
+def assert_one_process(results, layers: int, m: int) -> None:
+    """The ranks' gradients, put together, are one process's for the whole batch."""
     got = {}
     for r in results:
         for n, g in r["grads"].items():
@@ -94,7 +95,37 @@ def test_every_schedule_gives_the_gradients_of_one_process(name, p, m, v):
     assert got.keys() == want.keys()
     for n in want:
         torch.testing.assert_close(got[n], want[n], **TOL, msg=n)
-    assert sorted(results[-1]["losses"]) == list(range(m))
+    assert sorted(k for r in results for k in r["losses"]) == list(range(m))
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), CASES)
+def test_every_schedule_gives_the_gradients_of_one_process(name, p, m, v):
+    layers = p * v
+    assert_one_process(launch(pipeline_grads, p, args=(name, layers, m, v, True), timeout=180),
+                       layers, m)  # fmt: skip
+
+
+def zero_bubble_grads(cases: list) -> list:
+    return [pipeline_grads(name, 2 * dist_size(), m, 2 if name in S.V_SHAPED else 1, True)
+            for name, m in cases]  # fmt: skip
+
+
+def dist_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_zero_bubble_schedules_give_the_gradients_of_one_process(p):
+    # m < p, m = p, the V's fewest (2p - 1 for ZB-V, 2p for DualPipeV) and an odd m; the
+    # V puts the tied embedding and its copy on rank 0 (added there, no message), ZB-H1's
+    # first stage has no input gradient (its W is the whole backward)
+    cases = [("zb-h1", 1), ("zb-h1", p + 1), ("zbv", p - 1), ("zbv", 2 * p - 1),
+             ("dualpipev", 2 * p), ("dualpipev", 2 * p + 1)]  # fmt: skip
+    per_rank = launch(zero_bubble_grads, p, args=(cases,), timeout=300)
+    for i, (_, m) in enumerate(cases):
+        assert_one_process([r[i] for r in per_rank], 2 * p, m)
 
 
 def test_activations_held_gpipe_all_1f1b_at_most_p():
@@ -104,33 +135,101 @@ def test_activations_held_gpipe_all_1f1b_at_most_p():
     assert [r["peak"] for r in ofob] == [4, 3, 2, 1]  # p - rank micro-batches in flight
 
 
-@pytest.mark.parametrize("name", ["naive", "gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("name", ["naive", "gpipe", "1f1b", "interleaved", "looped-bfs"])
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
 def test_schedules_never_deadlock_and_have_the_formulas_bubble(name, p, m):
-    v = 2 if name == "interleaved" else 1
+    v = 2 if name in ("interleaved", "looped-bfs") else 1
     try:
         lists = S.build(name, p, m, v)
     except ValueError as exc:
         assert name == "interleaved" and (m % p or p < 2), exc
         return
-    timeline = S.simulate(lists)
+    timeline = simulator.simulate(lists)
     for rank in timeline:
         done = sorted(a for a, _ in rank)
         want = sorted(S.Action(k, mb, c) for k in ("forward", "backward")
                       for mb in range(m) for c in range(v))  # fmt: skip
         assert done == want
-    bubble = S.measured_bubble(timeline)
+    bubble = simulator.measured_bubble(timeline)
     expected = (p - 1) / p if name == "naive" else S.bubble_fraction(p, m, v)["of_total"]
-    assert bubble == pytest.approx(expected, abs=1e-12)
+    if name == "looped-bfs" and m < p:  # too few micro-batches to keep p ranks busy
+        assert bubble > expected
+    else:
+        assert bubble == pytest.approx(expected, abs=1e-12)
 
 
-def test_the_simulator_finds_lists_that_do_not_match():
-    # both ranks send first and receive after, in separate batches: a cycle
-    a = [S.Action("send_grad", 0, 0), S.Action("forward", 0, 0), S.Action("recv_act", 0, 0)]
-    b = [S.Action("send_act", 1, 0), S.Action("forward", 0, 0), S.Action("recv_grad", 1, 0)]
-    with pytest.raises(RuntimeError, match="lists do not match"):
-        S.simulate([b, a])
+FEWEST = {"zb-h1": lambda p: p, "zbv": lambda p: 2 * p - 1, "dualpipev": lambda p: 2 * p}
+
+
+def assert_dependencies(timeline, p: int, v: int, style: str, durations: dict) -> None:
+    """Every micro-batch goes forward through every stage and back, once: a stage's
+    forward after the previous stage's, its B (or full backward) after the next stage's
+    and after its own forward, its W after its B."""
+    done = {}  # (what, micro-batch, stage) -> (start, end)
+    for rank, events in enumerate(timeline):
+        for a, start in events:
+            what = {"forward": "F", "backward": "B", "backward_input": "B"}.get(a.kind, "W")
+            key = (what, a.microbatch, S.stage_of(p, rank, a.chunk, style))
+            assert key not in done, key
+            done[key] = (start, start + durations[a.kind])
+            if a.kind == "backward":
+                done["W", *key[1:]] = (start + durations[a.kind], start + durations[a.kind])
+    m = 1 + max(k for _, k, _ in done)
+    assert set(done) == {(w, k, s) for w in "FBW" for k in range(m) for s in range(p * v)}
+    for _, k, s in done:
+        assert done["F", k, s][0] >= (done["F", k, s - 1][1] if s else 0)
+        after = done["B", k, s + 1][1] if s < p * v - 1 else 0
+        assert done["B", k, s][0] >= max(after, done["F", k, s][1])
+        assert done["W", k, s][0] >= done["B", k, s][1]
+
+
+@pytest.mark.parametrize("name", S.ZERO_BUBBLE)
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_zero_bubble_schedules_run_and_have_the_papers_bubble(name, p):
+    from labsupport.parallel import zero_bubble
+
+    v, style = (2, "v") if name in S.V_SHAPED else (1, "loop")
+    for m in range(1, 4 * p + 2):
+        if name == "dualpipev" and m < 2 * p:
+            with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
+                S.build(name, p, m, v)
+            continue
+        timeline = simulator.simulate(S.build(name, p, m, v), style, simulator.SPLIT)
+        assert_dependencies(timeline, p, v, style, simulator.SPLIT)
+        bubble = simulator.measured_bubble(timeline, simulator.SPLIT)
+        want = zero_bubble.bubble_fraction(name, p, m)
+        if m >= FEWEST[name](p):
+            assert bubble == pytest.approx(want, abs=1e-12), m
+        else:  # too few micro-batches to fill the pipeline
+            assert bubble >= want - 1e-12, m
+        if name == "zbv" and m >= FEWEST[name](p):  # no rank waits inside its own span
+            for events in timeline:
+                starts = [t for _, t in events]
+                ends = [t + simulator.SPLIT[a.kind] for a, t in events]
+                assert max(ends) - min(starts) == sum(simulator.SPLIT[a.kind] for a, _ in events)
+
+
+def test_the_simulator_finds_a_deadlock_and_lists_that_do_not_match():
+    A = S.Action
+    # rank 0 waits for the gradient of micro-batch 0 before it sends its activation: a cycle
+    first = [A("recv_grad", 0, 0), A("backward", 0, 0), A("forward", 0, 0), A("send_act", 0, 0)]
+    last = [A("recv_act", 0, 0), A("forward", 0, 0), A("backward", 0, 0), A("send_grad", 0, 0)]
+    with pytest.raises(RuntimeError, match="deadlocks: rank 0 waits for .*recv_grad"):
+        simulator.simulate([first, last])
+    # the two ranks post their messages in different orders: gloo and NCCL would pair
+    # micro-batch 1's activation with micro-batch 0's receive, silently
+    first = [A("forward", 0, 0), A("forward", 1, 0), A("send_act", 1, 0), A("send_act", 0, 0)]
+    last = [A("recv_act", 0, 0), A("recv_act", 1, 0), A("forward", 0, 0), A("forward", 1, 0)]
+    with pytest.raises(RuntimeError, match="do not match"):
+        simulator.simulate([first, last])
+    first = [A("forward", 0, 0), A("send_act", 0, 0), A("forward", 1, 0), A("send_act", 1, 0)]
+    assert len(simulator.simulate([first, last])[1]) == 2  # in the same order: they run
+    with pytest.raises(RuntimeError, match="do not match: rank 0 posts 1 more"):
+        simulator.simulate([[*first, A("forward", 2, 0), A("send_act", 2, 0)], last])
+    mixed = [S.gpipe(2, 2, rank=0), S.one_f_one_b(2, 2, rank=1)]  # lab 11's example
+    with pytest.raises(RuntimeError, match="do not match"):
+        simulator.simulate(mixed)
 
 
 def test_a_schedule_that_cannot_run_is_refused_before_any_message():
@@ -142,40 +241,62 @@ def test_a_schedule_that_cannot_run_is_refused_before_any_message():
         launch(pipeline_grads, 4, args=("gpipe", 3, 2, 1, True), timeout=60)
 
 
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+         "looped-bfs": "ScheduleLoopedBFS",
+         "zb-h1": "ScheduleInterleavedZeroBubble",  # ZB-H1 with one chunk per rank
+         "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}  # fmt: skip
+KINDS = {"FORWARD": "forward", "FULL_BACKWARD": "backward",
+         "BACKWARD_INPUT": "backward_input", "BACKWARD_WEIGHT": "backward_weight"}  # fmt: skip
+
+
 def torch_pipelining_grads(name: str, layers: int, m: int, v: int) -> dict:
+    """torch's schedule ``name`` on the same stages: the gradients, and this rank's
+    computations in torch's order (an overlapped forward and backward as the two)."""
     import torch.distributed as dist
     from torch.distributed import pipelining
 
     p, rank = dist.get_world_size(), dist.get_rank()
     model = gpt(layers, tied=False)
-    chunks = pp.stage_modules(model, p, rank, v)  # a stage is a module torch can run as is
+    style = S.style(name)
+    chunks = pp.stage_modules(model, p, rank, v, style)  # a stage is a module torch runs as is
     stages = [
-        pipelining.PipelineStage(chunks[c], c * p + rank, p * v, torch.device("cpu"))
+        pipelining.PipelineStage(
+            chunks[c], S.stage_of(p, rank, c, style), p * v, torch.device("cpu")
+        )
         for c in range(v)
     ]
-    kind = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}.get(name)
-    if kind is None:
-        schedule = pipelining.ScheduleInterleaved1F1B(stages, m, loss_fn=pp.cross_entropy)
-    else:
-        schedule = kind(stages[0], m, loss_fn=pp.cross_entropy)
+    kind = getattr(pipelining, TORCH[name])
+    multi = name not in ("gpipe", "1f1b")
+    schedule = kind(stages if multi else stages[0], m, loss_fn=pp.cross_entropy)
     idx, targets = micro_batches(m)
-    first, last = rank == 0, rank == p - 1
+    first, last = (any(getattr(s, end) for s in chunks.values()) for end in ("first", "last"))
     args = (torch.cat(idx),) if first else ()
     kwargs = {"target": torch.cat(targets)} if last else {}
     schedule.step(*args, **kwargs)
-    return stage_grads(chunks, model)
+    order = []
+    for a in getattr(schedule, "pipeline_order", {}).get(rank, []):
+        for b in (a.sub_actions or (a,)) if a is not None else ():
+            if b.computation_type.name not in KINDS:  # torch's gradient reduction
+                continue
+            chunk = next(c for c in range(v) if S.stage_of(p, rank, c, style) == b.stage_index)
+            order.append(S.Action(KINDS[b.computation_type.name], b.microbatch_index, chunk))
+    return {"grads": stage_grads(chunks, model), "order": order}
 
 
-@pytest.mark.parametrize(("name", "p", "m", "v"), [("gpipe", 2, 4, 1), ("1f1b", 3, 4, 1),
-                                                   ("interleaved", 2, 4, 2)])  # fmt: skip
+@pytest.mark.parametrize(("name", "p", "m", "v"), [
+    ("gpipe", 2, 4, 1), ("1f1b", 3, 4, 1), ("interleaved", 2, 4, 2), ("looped-bfs", 2, 3, 2),
+    ("zb-h1", 3, 5, 1), ("zbv", 2, 5, 2), ("dualpipev", 3, 7, 2)])  # fmt: skip
 def test_the_same_gradients_as_torch_distributed_pipelining(name, p, m, v):
     layers = p * v
     ours = launch(pipeline_grads, p, args=(name, layers, m, v, False), timeout=180)
     theirs = launch(torch_pipelining_grads, p, args=(name, layers, m, v), timeout=180)
-    for mine, torch_rank in zip(ours, theirs, strict=True):
-        assert mine["grads"].keys() == torch_rank.keys()
-        for n in torch_rank:
-            torch.testing.assert_close(mine["grads"][n], torch_rank[n], **TOL, msg=n)
+    for rank, (mine, torch_rank) in enumerate(zip(ours, theirs, strict=True)):
+        assert mine["grads"].keys() == torch_rank["grads"].keys()
+        for n in torch_rank["grads"]:
+            torch.testing.assert_close(mine["grads"][n], torch_rank["grads"][n], **TOL, msg=n)
+        if name in (*S.ZERO_BUBBLE, "looped-bfs"):  # the same computations, in torch's order
+            computes = [a for a in S.build(name, p, m, v)[rank] if a.kind not in S.COMM]
+            assert computes == torch_rank["order"], rank
 
 
 # --------------------------------------------------------------------------- stages
@@ -258,3 +379,20 @@ def test_full_recomputation_runs_in_the_stages_and_gives_the_same_gradients():
         for n, g in r["grads"].items():
             torch.testing.assert_close(g, want["wte.weight" if n == "lm_head.weight" else n],
                                        **TOL, msg=n)  # fmt: skip
+
+
+def test_stages_of_unequal_cost_run_at_the_slowest_ones_pace():
+    """Durations per rank: 1F1B's step is (m + p - 1) ticks of the slowest stage when all
+    stages but one are fast, and the bubble formula holds when all are equal."""
+    p, m = 4, 8
+    lists = S.build("1f1b", p, m)
+
+    def cost(slow):
+        return lambda rank, a: (3 if rank == slow else 1) * (1 if a.kind == "forward" else 2)
+
+    even = simulator.simulate(lists, durations=lambda rank, a: 1 if a.kind == "forward" else 2)
+    assert simulator.span(even, lambda rank, a: 1 if a.kind == "forward" else 2) == 3 * (m + p - 1)
+    for slow in range(p):
+        timeline = simulator.simulate(lists, durations=cost(slow))
+        assert simulator.span(timeline, cost(slow)) >= 9 * m  # the slow rank's own work
+        assert simulator.span(timeline, cost(slow)) < 3 * 3 * (m + p - 1)

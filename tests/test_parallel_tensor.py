@@ -312,3 +312,100 @@ def test_the_rank_fork_on_cuda_swaps_the_gpu_generator_and_gives_it_back():
     assert not torch.equal(first, second)  # the tracker's own state moved on
     with again.fork(device):
         assert torch.equal(torch.rand(8, device=device), first)  # from its seed alone
+
+
+# --------------------------------------------------------------------------- GQA
+
+GQA_CASES = [(8, 2), (8, 4), (4, 1)]  # (query heads, key-value heads), width 32
+
+
+def gqa_dense(heads: int, kv_heads: int):
+    from labsupport.parallel.tensor_parallel_gqa import GroupedQueryAttention
+
+    torch.manual_seed(0)
+    return GroupedQueryAttention(32, heads, kv_heads)
+
+
+def gqa_case() -> list:
+    """Every case on this rank: output, input gradient and weight gradients of the
+    parallel attention, and the bytes of K and V it computed."""
+    from labsupport.parallel import tensor_parallel_gqa as gqa
+
+    out = []
+    for heads, kv_heads in GQA_CASES:
+        layer = gqa.ParallelGroupedQueryAttention(gqa_dense(heads, kv_heads))
+        x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        y = layer(x)
+        y.pow(2).sum().backward()
+        gqa.all_reduce_replicated_kv_grads(layer)
+        grads = {n: w.weight.grad for n, w in (("q", layer.wq), ("k", layer.wk),
+                                                ("v", layer.wv), ("o", layer.wo))}  # fmt: skip
+        out.append({"y": y.detach(), "dx": x.grad, "grads": grads, "replicas": layer.replicas,
+                    "kv_bytes": layer.kv_bytes(2, 6, 4)})  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_grouped_query_attention_split_by_heads_equals_the_dense_one(t):
+    """Query heads split over t ranks; key-value heads split while t <= n_kv_heads, else
+    replicated on t / n_kv_heads ranks, their gradients summed over the replicas."""
+    ranks = launch(gqa_case, t, timeout=180)
+    for i, (heads, kv_heads) in enumerate(GQA_CASES):
+        dense = gqa_dense(heads, kv_heads)
+        x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        y = dense(x)
+        # the dense layer is torch's grouped-query attention
+        q, k, v = (
+            w(x).view(2, 6, -1, 32 // heads).transpose(1, 2) for w in (dense.wq, dense.wk, dense.wv)
+        )
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                enable_gqa=True)  # fmt: skip
+        torch.testing.assert_close(dense.wo(sdpa.transpose(1, 2).reshape(2, 6, 32)), y)
+        y.pow(2).sum().backward()
+        head_rows, kv_rows = 32 // t, 32 // heads * max(1, kv_heads // t)
+        replicas = max(1, t // kv_heads)
+        for r, got in enumerate(rank[i] for rank in ranks):
+            torch.testing.assert_close(got["y"], y.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got["dx"], x.grad, rtol=1e-5, atol=1e-6)
+            kv = (r // replicas if replicas > 1 else r) * kv_rows
+            want = {"q": dense.wq.weight.grad[r * head_rows : (r + 1) * head_rows],
+                    "k": dense.wk.weight.grad[kv : kv + kv_rows],
+                    "v": dense.wv.weight.grad[kv : kv + kv_rows],
+                    "o": dense.wo.weight.grad[:, r * head_rows : (r + 1) * head_rows]}  # fmt: skip
+            for n in want:
+                torch.testing.assert_close(got["grads"][n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+            assert got["replicas"] == replicas
+            assert got["kv_bytes"] == 2 * 2 * 6 * kv_rows * 4  # K and V: kv_rows per token
+
+
+# --------------------------------------------------------------------------- overlap
+
+
+def overlap_case() -> dict:
+    """The all-gather of the sequence then a column-parallel product, decomposed and
+    overlapped, against the plain one: output, gradients, and the bytes each sends."""
+    from labsupport.comm.p2p import count_traffic
+    from labsupport.parallel.tensor_parallel import gather_from_sequence_parallel_region
+    from labsupport.parallel.tensor_parallel_overlap import all_gather_matmul
+
+    torch.manual_seed(dist.get_rank())
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    with count_traffic() as sent:
+        y = all_gather_matmul(x, w)
+    y.pow(2).sum().backward()
+    got = (y.detach(), x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    with traced.trace_collectives() as trace:
+        want = torch.nn.functional.linear(gather_from_sequence_parallel_region(x), w)
+    want.pow(2).sum().backward()
+    return {"got": got, "want": (want.detach(), x.grad, w.grad), "sent": sent.bytes_sent,
+            "all-gather": traced.bytes_per_rank(trace)}  # fmt: skip
+
+
+@pytest.mark.parametrize("t", [2, 3])
+def test_the_overlapped_all_gather_matmul_equals_gather_then_linear(t):
+    for r in launch(overlap_case, t, timeout=120):
+        for got, want in zip(r["got"], r["want"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert r["sent"] == r["all-gather"] == (t - 1) * 2 * 3 * 16 * 4  # the same bytes

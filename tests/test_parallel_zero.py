@@ -127,11 +127,11 @@ def toy_reference(name: str, worlds) -> tuple[dict, dict]:
     return params(m), {n: None if s is None else float(s) for n, s in steps.items()}
 
 
-def toy_zero(stage: int, name: str, m=None, zero=None, steps=range(TOY_STEPS)) -> dict:
+def toy_zero(stage: int, name: str, m=None, zero=None, steps=range(TOY_STEPS), prefetch=0):
     optimizer_class, options = OPTIMIZERS[name]
     if zero is None:
         m = Toy()
-        zero = ZeRO(m, stage, optimizer_class=optimizer_class, **options)
+        zero = ZeRO(m, stage, optimizer_class=optimizer_class, prefetch=prefetch, **options)
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in steps:
         zero.zero_grad()
@@ -148,7 +148,10 @@ def toy_zero(stage: int, name: str, m=None, zero=None, steps=range(TOY_STEPS)) -
 
 
 def toy_runs() -> dict:
-    return {(stage, name): toy_zero(stage, name) for stage in STAGES for name in OPTIMIZERS}
+    runs = {(stage, name): toy_zero(stage, name) for stage in STAGES for name in OPTIMIZERS}
+    for k in (1, 2):  # stage 3 gathering the next unit(s) ahead, in the same launch
+        runs[f"3, prefetch {k}", "AdamW"] = toy_zero(3, "AdamW", prefetch=k)
+    return runs
 
 
 @functools.cache
@@ -179,6 +182,15 @@ def test_every_stage_steps_each_parameter_as_torchs_optimizer_does(world):
                 assert got["steps"] == {n: want_steps[n] for n in got["steps"]}, where
                 assert set(got["steps"]) == trainable, where
                 assert got["calls"] == ranks[0][stage, name]["calls"], where
+    want, want_steps = toy_reference("AdamW", [world] * TOY_STEPS)
+    for k in (1, 2):  # prefetching moves the gathers earlier, in the same order on every rank
+        for rank, runs in enumerate(ranks):
+            got, where = runs[f"3, prefetch {k}", "AdamW"], f"prefetch {k}, rank {rank}"
+            for n in want:
+                torch.testing.assert_close(got["params"][n], want[n], **TOY_TOL, msg=where)
+            assert got["steps"] == {n: want_steps[n] for n in got["steps"]}, where
+            assert got["calls"] == ranks[0][f"3, prefetch {k}", "AdamW"]["calls"], where
+            assert sorted(got["calls"]) == sorted(runs[3, "AdamW"]["calls"]), where
 
 
 def test_only_elementwise_optimizers_are_accepted():
@@ -413,3 +425,39 @@ def test_stages_2_and_3_free_as_the_backward_goes():
             assert r["gradients"] <= bound < r["full"]
             if stage == 3:
                 assert r["gathered"] <= bound < sum(r["sizes"])
+
+
+def prefetch_peaks() -> dict:
+    """A 4-block GPT, one step of ZeRO-3 with 0, 1 and 2 units prefetched: the most bytes
+    of gathered weights held at once, the unit sizes, the loss and the parameters."""
+    out = {}
+    for k in (0, 1, 2):
+        torch.manual_seed(0)
+        m = GPT(GPTConfig(**{**CONFIG, "n_layer": 4}))
+        zero = ZeRO(m, 3, prefetch=k, lr=LR)
+        idx, targets = shard_of_batch(0)
+        loss = m(idx, targets)[1]
+        loss.backward()
+        zero.step()
+        gather_all(zero)
+        units = [4 * u.padded for _, u in zero.units]  # the blocks, then the root
+        out[k] = {
+            "peak": zero.gathered_peak,
+            "units": units,
+            "loss": loss.item(),
+            "params": params(m),
+        }
+    return out
+
+
+def test_prefetching_holds_the_root_the_running_unit_and_the_prefetched_ones():
+    for r in launch(prefetch_peaks, 2, timeout=300):
+        *blocks, root = r[0]["units"]
+        assert len(set(blocks)) == 1
+        for k in (0, 1, 2):
+            assert r[k]["peak"] == root + (1 + k) * blocks[0], k
+            assert r[k]["loss"] == r[0]["loss"]
+            for n, p in r[0]["params"].items():
+                assert torch.equal(r[k]["params"][n], p), (k, n)
+    with pytest.raises(ValueError, match="only stage 3"):
+        ZeRO(model(), 2, prefetch=1)

@@ -137,12 +137,14 @@ FIGURES = {
     "11-schedules.png": pipeline_figures.schedules_figure,
     "11-held.png": pipeline_figures.held_figure,
     "11-bubble.png": pipeline_figures.bubble_figure,
+    "11-zero-bubble.png": pipeline_figures.zero_bubble_figure,
     "12-split.png": tp_figures.draw_linear_split,
     "12-block.png": tp_figures.draw_block,
     "12-cost.png": lambda: tp_figures.draw_layer_costs(
         layer_costs(), "GPT-3 175B on H100s, per GPU (modelled, not measured)"
     ),
     "12-activations.png": tp_figures.draw_activations,
+    "12-sequence-parallel.png": tp_figures.draw_sequence_parallel_shapes,
     "17-balance.png": cp_figures.balance_figure,
     "17-ring.png": lambda: cp_figures.ring_steps_figure(ring_schedule(Layout.zigzag(4)), 8),
     "17-variants.png": cp_figures.variants_figure,

@@ -5,7 +5,8 @@ functions, so :func:`count_traffic` sees every byte a rank sends:
 
 * :func:`isend` and :func:`irecv`: one message, started; ``wait()`` on the request;
 * :func:`exchange`: a send and a receive at the same time, waited for together;
-  :func:`exchange_many`: the same with several peers.
+  :func:`exchange_many`: the same with several peers; :func:`post_many` posts such a
+  batch and leaves the waiting to the caller.
 
 :func:`exchange` posts its send and its receive as one
 ``torch.distributed.batch_isend_irecv``. NCCL needs that: a rank that sends to a peer
@@ -116,12 +117,17 @@ def exchange(g: Group, send=None, dst=None, recv=None, src=None) -> None:
 def exchange_many(g: Group, sends=(), recvs=()) -> None:
     """Post every ``(tensor, dst)`` send and ``(tensor, src)`` receive as one batch and
     wait for all of them: :func:`exchange` with any number of peers."""
+    for request in post_many(g, sends, recvs):
+        request.wait()
+
+
+def post_many(g: Group, sends=(), recvs=()) -> list:
+    """:func:`exchange_many`'s batch, posted and not waited for: its requests, one per
+    message, the sends' first (NCCL coalesces a batch into one request for all of it)."""
     ops = []
     for tensor, dst in sends:
         _record(tensor, dst)
         ops.append(dist.P2POp(dist.isend, tensor, group=g.group, group_peer=dst))
     for tensor, src in recvs:
         ops.append(dist.P2POp(dist.irecv, tensor, group=g.group, group_peer=src))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+    return dist.batch_isend_irecv(ops) if ops else []

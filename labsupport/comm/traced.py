@@ -80,16 +80,17 @@ def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
     return tensor
 
 
-def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along ``dim``, in rank order."""
+def all_gather(tensor: torch.Tensor, dim: int, group=None, async_op: bool = False):
+    """Concatenate every rank's ``tensor`` along ``dim``, in rank order; with
+    ``async_op=True``, the result and the work to ``wait()`` for before reading it."""
     world = dist.get_world_size(group)
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty(
         (world * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype, device=moved.device
     )
     _record("all_gather", _nbytes(out), group)
-    dist.all_gather_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    work = dist.all_gather_single(out, moved, group=group, async_op=async_op)
+    return (out.movedim(0, dim), work) if async_op else out.movedim(0, dim)
 
 
 def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:

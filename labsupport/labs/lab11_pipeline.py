@@ -27,7 +27,7 @@ from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.measure.memory import SavedBytes
 from labsupport.parallel import pipeline_parallel as pp
-from labsupport.parallel import schedules
+from labsupport.parallel import schedules, simulator
 from labsupport.parallel.parallel_state import Mesh
 
 
@@ -51,7 +51,7 @@ def pipeline_steps(
     results = []
     for schedule, m, v in progress(cases, "cases"):
         model = build(forward_s, backward_s).to(device())
-        chunks = pp.stage_modules(model, p, rank, v)
+        chunks = pp.stage_modules(model, p, rank, v, schedules.style(schedule))
         actions = schedules.build(schedule, p, m, v)[rank]
         inputs, targets = micro_batches(m)
         shape = (MICRO_BATCH, LAB_GPT["block_size"], LAB_GPT["n_embd"])
@@ -60,7 +60,8 @@ def pipeline_steps(
         held.watch(model.h)  # this rank runs its own stages' blocks only
         dist.barrier()
         clock = time.perf_counter()
-        out = pp.run(chunks, actions, inputs, targets, shape, groups["pp"], groups.get("embedding"))
+        out = pp.run(chunks, actions, inputs, targets, shape, groups["pp"], groups.get("embedding"),
+                     style=schedules.style(schedule))  # fmt: skip
         result = {
             "rank": rank,
             "case": (schedule, m, v),
@@ -103,9 +104,11 @@ def gradients_match(results: list[dict], m: int) -> bool:
 
 def describe(actions: list) -> str:
     """A rank's actions in short: ``F3`` and ``B3`` compute micro-batch 3 (``F3.1``:
-    its chunk 1), ``>a3``/``<a3`` send/receive its activation, ``>g3``/``<g3`` its
-    gradient; messages posted together are bracketed."""
-    short = {"send_act": ">a", "recv_act": "<a", "send_grad": ">g", "recv_grad": "<g"}
+    its chunk 1), ``I3`` and ``W3`` the two halves of a split backward (torch's letters),
+    ``>a3``/``<a3`` send/receive its activation, ``>g3``/``<g3`` its gradient; messages
+    posted together are bracketed."""
+    short = {"send_act": ">a", "recv_act": "<a", "send_grad": ">g", "recv_grad": "<g",
+             "backward_input": "I", "backward_weight": "W"}  # fmt: skip
     words = []
     for batch in schedules.batches(actions):
         names = []
@@ -126,23 +129,22 @@ def _stage_gradients(chunks: dict, model) -> dict:
 # --------------------------------------------------------------------------- timelines
 
 
+COMPUTE = ("forward", "backward", "backward_input", "backward_weight")  # what computes
+
+
 def compute_events(results: list[dict]) -> list[list[tuple]]:
-    """Each rank's forward and backward actions as ``(kind, micro-batch, chunk, start,
-    end)``, in seconds from the first one's start on any rank."""
-    first = min(e[3] for r in results for e in r["events"] if e[0] in ("forward", "backward"))
+    """Each rank's computing actions as ``(kind, micro-batch, chunk, start, end)``, in
+    seconds from the first one's start on any rank."""
+    first = min(e[3] for r in results for e in r["events"] if e[0] in COMPUTE)
     return [
-        [
-            (k, mb, c, s - first, e - first)
-            for k, mb, c, s, e in r["events"]
-            if k in ("forward", "backward")
-        ]
+        [(k, mb, c, s - first, e - first) for k, mb, c, s, e in r["events"] if k in COMPUTE]
         for r in results
     ]
 
 
 def measured_bubble(results: list[dict]) -> float:
     """The idle share of the step, measured: 1 - (time computing, summed over the
-    ranks) / (ranks x the step's span), as :func:`~labsupport.parallel.schedules.
+    ranks) / (ranks x the step's span), as :func:`~labsupport.parallel.simulator.
     measured_bubble` counts it on the simulated slots. Time in messages counts as idle."""
     timeline = compute_events(results)
     span = max(e for rank in timeline for *_, e in rank)
@@ -156,12 +158,13 @@ def step_seconds(results: list[dict]) -> float:
 
 
 def median_durations(results: list[dict]) -> dict:
-    """The median seconds of a forward and of a backward action, over every rank."""
+    """The median seconds of each kind of computing action, over every rank."""
     timeline = compute_events(results)
     out = {}
-    for kind in ("forward", "backward"):
+    for kind in COMPUTE:
         times = sorted(e - s for rank in timeline for k, *_, s, e in rank if k == kind)
-        out[kind] = times[len(times) // 2]
+        if times:
+            out[kind] = times[len(times) // 2]
     return out
 
 
@@ -235,14 +238,14 @@ def _fewest(p: int, target: float, v: int, over: str = "of_total") -> int:
 @exercise
 def check_gpipe_schedule(fn) -> str:
     """Exercise 3: ``fn(p, m, rank)``, GPipe's list of actions for one rank, must run
-    (no deadlock in :func:`~labsupport.parallel.schedules.simulate`), receive before it
+    (no deadlock in :func:`~labsupport.parallel.simulator.simulate`), receive before it
     computes and send what it computed, and hold ``m`` micro-batches at its peak."""
     for p, m in [(4, 8), (2, 3), (3, 1), (1, 2)]:
         lists = [fn(p, m, rank) for rank in range(p)]
         for rank, acts in enumerate(lists):
             _check_actions(acts, p, m, rank)
         try:
-            timeline = schedules.simulate(lists)
+            timeline = simulator.simulate(lists)
         except RuntimeError as exc:
             raise AssertionError(f"p={p}, m={m}: {exc}") from None
         held = [_peak_held(acts) for acts in lists]
@@ -251,7 +254,7 @@ def check_gpipe_schedule(fn) -> str:
                 f"p={p}, m={m}: ranks hold {held} micro-batches at their peak; GPipe runs "
                 "every forward before the first backward, so each holds all m"
             )
-        bubble = schedules.measured_bubble(timeline)
+        bubble = simulator.measured_bubble(timeline)
         if not math.isclose(bubble, schedules.bubble_fraction(p, m)["of_total"]):
             raise AssertionError(f"p={p}, m={m}: a bubble of {bubble:.3f}, not GPipe's")
     return "GPipe as data: it runs on 1 to 4 stages, holds m micro-batches, has the bubble"

@@ -12,6 +12,7 @@ the laptop. The activations the blocks keep are counted by
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -55,16 +56,24 @@ class Wait(torch.autograd.Function):
         """A forward hook (``module.register_forward_hook``) that makes the module wait."""
         return lambda _module, _args, output: Wait.apply(output, forward_s, backward_s)
 
+    @staticmethod
+    def weight_hook(backward_s: float):
+        """A tensor hook (``weight.register_hook``) that waits when the weight's gradient
+        is computed: in the backward pass, or in its W."""
+        return lambda _grad: time.sleep(backward_s)
+
 
 def build(forward_s: float = 0.0, backward_s: float = 0.0, seed: int = 0) -> GPT:
     """The lab's GPT (:data:`LAB_GPT`), the same weights on every rank for a ``seed``;
     each block also waits ``forward_s`` seconds in the forward pass and ``backward_s`` in
-    the backward pass (:class:`Wait`)."""
+    the backward pass (:class:`Wait`), half of it for its input's gradient, half for its
+    weights'."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**LAB_GPT))
     if forward_s or backward_s:
         for block in model.h:
-            block.register_forward_hook(Wait.hook(forward_s, backward_s))
+            block.register_forward_hook(Wait.hook(forward_s, backward_s / 2))
+            block.mlp.c_fc.weight.register_hook(Wait.weight_hook(backward_s / 2))
     return model
 
 
@@ -75,9 +84,11 @@ def micro_batches(m: int, seed: int = 1) -> tuple[list, list]:
     return list(idx.split(MICRO_BATCH)), list(targets.split(MICRO_BATCH))
 
 
+@functools.cache
 def reference_gradients(m: int) -> dict:
     """The gradients of one process running the whole batch (the mean loss over all its
-    sequences), by parameter name; the tied output weight is the token embedding's."""
+    sequences), by parameter name; the tied output weight is the token embedding's.
+    Computed once per ``m`` (read them, do not change them)."""
     model = build()
     idx, targets = micro_batches(m)
     model(torch.cat(idx), torch.cat(targets))[1].backward()

@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from labsupport.comm.p2p import Group, exchange_many
+from labsupport.comm.p2p import Group, post_many
 from labsupport.launch.runtime import device
 from labsupport.models import GPT
-from labsupport.parallel import schedules
+from labsupport.parallel import schedules, split_backward
 
 
 class Embedding(nn.Module):
@@ -113,14 +113,18 @@ def partition(layers: int, stages: int) -> list[range]:
     return bounds
 
 
-def stage_modules(gpt, p: int, rank: int, v: int = 1) -> dict[int, Stage]:
+def stage_modules(gpt, p: int, rank: int, v: int = 1, style: str = "loop") -> dict[int, Stage]:
     """This rank's chunks of ``gpt`` (a :class:`labsupport.models.GPT`, or a
-    tensor-parallel one): chunk ``c`` is stage ``c * p + rank`` of ``p * v``."""
+    tensor-parallel one): chunk ``c`` is stage ``c * p + rank`` of ``p * v``, or with
+    ``style="v"`` (two chunks) stages ``rank`` and ``2p - 1 - rank``
+    (:func:`~labsupport.parallel.schedules.stage_of`)."""
     if not 0 <= rank < p:
         raise ValueError(f"rank {rank} is not one of the {p} pipeline ranks")
+    if style == "v" and v != 2:
+        raise ValueError(f"a V places two chunks on each rank, got v={v}")
     n = p * v
     parts = partition(len(gpt.h), n)
-    stages = [c * p + rank for c in range(v)]
+    stages = [schedules.stage_of(p, rank, c, style) for c in range(v)]
     return {c: Stage(gpt, parts[s], s == 0, s == n - 1) for c, s in enumerate(stages)}
 
 
@@ -139,19 +143,21 @@ def run(
     group=None,
     embedding_group=None,
     loss_fn=cross_entropy,
+    style: str = "loop",
 ) -> dict:
     """Execute this rank's ``schedule`` on its ``chunks``; gradients accumulate in them.
 
     ``inputs[k]`` and ``targets[k]`` are micro-batch ``k``'s token ids and targets (only
     the first and the last stage read them); ``loss_fn(logits, targets)`` gives its loss.
-    ``activation_shape`` is what a stage sends (micro-batch, sequence, width). Returns the
+    ``activation_shape`` is what a stage sends (micro-batch, sequence, width); ``style``
+    how the chunks sit on the ranks, as :func:`stage_modules` placed them. Returns the
     micro-batches' losses (on the last stage), every action with its start and end time,
-    and the most micro-batches whose activations this rank held at once. A tied
-    embedding needs ``embedding_group``, the group of the first and the last stage's
-    ranks, on those two ranks.
+    and the most micro-batches whose activations this rank held at once (from a forward
+    to its backward, or to its W when the backward is split). A tied embedding needs
+    ``embedding_group``, the group of the first and the last stage's ranks, on those two.
     """
     g = Group(group)
-    if embedding_group is None and any(s.tied for s in chunks.values()):
+    if embedding_group is None and sum(s.tied for s in chunks.values()) == 1:
         raise ValueError(
             "the model ties its output layer to its embedding: pass embedding_group=, the "
             "group of the first and the last stage's ranks (Mesh.process_groups()"
@@ -159,41 +165,67 @@ def run(
         )
     m = len(inputs)
     dtype = next(next(iter(chunks.values())).parameters()).dtype
+    on_me = {schedules.stage_of(g.size, g.me, c, style): c for c in chunks}  # stage -> chunk
+    mine = {c: s for s, c in on_me.items()}
     held: dict = {}  # (k, c) -> (stage input, stage output or loss)
-    received: dict = {}  # ("act" | "grad", k, c) -> tensor
+    received: dict = {}  # ("act" | "grad" | "input_grad", k, c) -> tensor
+    waits, sending, split = {}, [], {}  # receives' requests; sends in flight; B's for W
     losses, events, peak, start = {}, [], 0, time.perf_counter()
     for batch in schedules.batches(schedule):
-        begin = time.perf_counter() - start
         a = batch[0]
+        k, c = key = a[1:]
+        if a.kind in schedules.COMM:
+            begin = time.perf_counter() - start
+            _communicate(g, batch, held, received, waits, sending, activation_shape, dtype, style)
+            events.append((a, begin, time.perf_counter() - start))
+            continue
+        stage, before, after = chunks[c], on_me.get(mine[c] - 1), on_me.get(mine[c] + 1)
+        for request in waits.pop(("act" if a.kind == "forward" else "grad", *key), []):
+            request.wait()  # the message this computation reads
+        begin = time.perf_counter() - start
         if a.kind == "forward":
-            stage = chunks[a.chunk]
-            x = inputs[a.microbatch].to(device()) if stage.first else received.pop(("act", *a[1:]))
+            if stage.first:
+                x = inputs[k].to(device())
+            elif before is not None:  # the V's turn: the previous stage is on this rank
+                x = held[k, before][1].detach().requires_grad_()
+            else:
+                x = received.pop(("act", *key))
             out = stage(x)
             if stage.last:
-                out = loss_fn(out, targets[a.microbatch].to(device())) / m  # scaled once
-                losses[a.microbatch] = out.item() * m
-            held[a.microbatch, a.chunk] = (x, out)
+                out = loss_fn(out, targets[k].to(device())) / m  # scaled once
+                losses[k] = out.item() * m
+            held[key] = (x, out)
             peak = max(peak, len(held))
-        elif a.kind == "backward":
-            x, out = held.pop((a.microbatch, a.chunk))
-            if chunks[a.chunk].last:
-                out.backward()
+        elif a.kind == "backward_weight":
+            split_backward.backward_weight(split.pop(key))
+            del held[key]
+        else:  # a full backward, or its B
+            x, out = held[key] if a.kind == "backward_input" else held.pop(key)
+            grad = (
+                None
+                if stage.last
+                else received.pop(("input_grad", k, after) if after is not None else ("grad", *key))
+            )
+            if a.kind == "backward_input":
+                split[key] = split_backward.backward_input(out, grad, x, list(stage.parameters()))
             else:
-                out.backward(received.pop(("grad", *a[1:])))
-            if not chunks[a.chunk].first:
-                received["input_grad", *a[1:]] = x.grad
+                out.backward(grad)
+            if not stage.first:
+                received["input_grad", *key] = x.grad
             del x, out  # else they keep this micro-batch's graph alive into the next forward
-        else:
-            _communicate(g, batch, held, received, activation_shape, dtype)
         events.append((a, begin, time.perf_counter() - start))
-    _all_reduce_tied(chunks, embedding_group)
+    for request, _ in sending:
+        request.wait()
+    all_reduce_tied(chunks, embedding_group)
     return {"losses": losses, "events": events, "peak_microbatches": peak, "rank": g.me}
 
 
-def _communicate(g, batch, held, received, shape, dtype) -> None:
-    sends, recvs = [], []
+def _communicate(g, batch, held, received, waits, sending, shape, dtype, style) -> None:
+    """Post a batch of messages; a receive's request waits in ``waits`` for the
+    computation that reads it, a send's in ``sending`` for the end of the step."""
+    sends, recvs, keys = [], [], []
     for a in batch:
-        other, _ = schedules.peer(a, g.size, g.me)
+        other, _ = schedules.peer(a, g.size, g.me, style)
         key = a[1:]
         if a.kind == "send_act":
             sends.append((held[key][1].detach(), other))
@@ -203,15 +235,27 @@ def _communicate(g, batch, held, received, shape, dtype) -> None:
             buf = torch.empty(shape, dtype=dtype, device=device())
             if a.kind == "recv_act":
                 buf.requires_grad_(True)
-            received["act" if a.kind == "recv_act" else "grad", *key] = buf
+            keys.append(("act" if a.kind == "recv_act" else "grad", *key))
+            received[keys[-1]] = buf
             recvs.append((buf if a.kind == "recv_grad" else buf.data, other))
-    exchange_many(g, sends, recvs)
+    requests = post_many(g, sends, recvs)
+    if len(requests) == len(sends) + len(recvs):  # one request per message (gloo)
+        sending += zip(requests[: len(sends)], sends, strict=True)
+        waits.update((k, [r]) for k, r in zip(keys, requests[len(sends) :], strict=True))
+    else:  # one request for the whole batch (NCCL)
+        sending += [(r, sends) for r in requests]
+        waits.update((k, requests) for k in keys)
 
 
-def _all_reduce_tied(chunks: dict[int, Stage], embedding_group) -> None:
+def all_reduce_tied(chunks: dict[int, Stage], embedding_group) -> None:
     """Sum the gradients of the token embedding (first stage) and of its copy in the
-    output layer (last stage): the gradient of the one tied matrix."""
-    for stage in chunks.values():
-        if stage.tied:  # the first or the last stage
-            weight = stage.embedding.wte.weight if stage.first else stage.lm_head.weight
-            dist.all_reduce(weight.grad, group=embedding_group)
+    output layer (last stage): the gradient of the one tied matrix. A V puts the first
+    and the last stage on rank 0: the two are added there, with no message."""
+    tied = [
+        s.embedding.wte.weight if s.first else s.lm_head.weight for s in chunks.values() if s.tied
+    ]
+    if len(tied) == 2:
+        total = tied[0].grad + tied[1].grad
+        tied[0].grad, tied[1].grad = total, total.clone()
+    elif tied:
+        dist.all_reduce(tied[0].grad, group=embedding_group)

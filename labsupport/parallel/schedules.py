@@ -5,16 +5,17 @@ and (interleaved only) the chunks per rank ``v``, that returns the rank's action
 DeepSpeed's ``runtime/pipe/schedule.py`` does with its instruction generators:
 
 * ``Action("forward", k, c)`` / ``Action("backward", k, c)``: micro-batch ``k`` through
-  the rank's model chunk ``c`` (chunk ``c`` of rank ``r`` is stage ``c * p + r``);
+  the rank's model chunk ``c`` (chunk ``c`` of rank ``r`` is stage ``c * p + r``, or
+  as :func:`stage_of` places a V); ``"backward_input"`` and ``"backward_weight"`` split
+  the backward, for the schedules of :mod:`labsupport.parallel.zero_bubble`;
 * ``Action("recv_act" | "send_act" | "recv_grad" | "send_grad", k, c)``: the activation
   coming in from (going out to) the previous (next) stage, the gradient the other way.
 
-Schedules are drawn and checked before anything runs: :func:`simulate` plays every
-rank's list against the others, message by message, finds lists that do not match,
-and gives each action a time slot, from which the bubble is counted. The executor in
-:mod:`labsupport.parallel.pipeline_parallel` runs any of them. Consecutive
+Schedules are checked and drawn before anything runs: :mod:`labsupport.parallel.
+simulator` plays every rank's list against the others, message by message. The
+executor in :mod:`labsupport.parallel.pipeline_parallel` runs any of them. Consecutive
 communication actions of a rank are posted together (one ``batch_isend_irecv``), as
-Megatron's ``send_forward_recv_backward`` does; :func:`simulate` models that grouping.
+Megatron's ``send_forward_recv_backward`` does.
 
 * :func:`naive`: no overlap at all: each micro-batch's forward and backward go through
   the whole pipeline before the next micro-batch starts;
@@ -23,7 +24,10 @@ Megatron's ``send_forward_recv_backward`` does; :func:`simulate` models that gro
   ``p - rank - 1`` forwards, one forward and one backward in turn; at most ``p``
   micro-batches' activations alive per rank instead of ``m``;
 * :func:`interleaved_1f1b`: 1F1B over ``v`` chunks per rank (Narayanan et al. 2021,
-  section 2.2): the bubble divided by ``v``, for ``v`` times the messages.
+  section 2.2): the bubble divided by ``v``, for ``v`` times the messages; depth-first:
+  a micro-batch goes on to the next chunk as soon as it can;
+* :func:`looped_bfs`: breadth-first over ``v`` chunks: every micro-batch through a chunk
+  before the next chunk starts.
 """
 
 from __future__ import annotations
@@ -41,22 +45,43 @@ def _check(p: int, m: int, rank: int, v: int = 1) -> None:
         raise ValueError(f"rank {rank} is not one of the {p} pipeline ranks")
 
 
+def stage_of(p: int, rank: int, chunk: int, style: str = "loop") -> int:
+    """The stage that chunk ``chunk`` of ``rank`` runs. ``"loop"``: chunk ``c`` is stage
+    ``c * p + rank`` (the interleaved schedule's placement); ``"v"``: two chunks, stages
+    ``rank`` and ``2p - 1 - rank``, so that the last rank holds the two middle stages and
+    rank 0 the first and the last (torch's ``generate_stage_to_rank_mapping(style="v")``)."""
+    return (rank if chunk == 0 else 2 * p - 1 - rank) if style == "v" else chunk * p + rank
+
+
+def place(stage: int, p: int, style: str = "loop") -> tuple[int, int]:
+    """The (rank, chunk) that runs ``stage``: the inverse of :func:`stage_of`."""
+    if style == "v":
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+    return stage % p, stage // p
+
+
+def messages(a: Action, p: int, rank: int, v: int = 1, style: str = "loop") -> tuple[list, list]:
+    """What compute action ``a`` receives before it runs and sends after: nothing to or
+    from a neighbouring stage on the same rank (the V's turn), nothing for a W."""
+    stage = stage_of(p, rank, a.chunk, style)
+    before = stage > 0 and place(stage - 1, p, style)[0] != rank
+    after = stage < p * v - 1 and place(stage + 1, p, style)[0] != rank
+    k, c = a.microbatch, a.chunk
+    if a.kind == "forward":
+        return [Action("recv_act", k, c)] * before, [Action("send_act", k, c)] * after
+    if a.kind in ("backward", "backward_input"):
+        return [Action("recv_grad", k, c)] * after, [Action("send_grad", k, c)] * before
+    return [], []
+
+
 def _forward(p: int, rank: int, k: int, c: int = 0, v: int = 1) -> list[Action]:
-    stage = c * p + rank
-    acts = [] if stage == 0 else [Action("recv_act", k, c)]
-    acts.append(Action("forward", k, c))
-    if stage < p * v - 1:
-        acts.append(Action("send_act", k, c))
-    return acts
+    recv, send = messages(Action("forward", k, c), p, rank, v)
+    return [*recv, Action("forward", k, c), *send]
 
 
 def _backward(p: int, rank: int, k: int, c: int = 0, v: int = 1) -> list[Action]:
-    stage = c * p + rank
-    acts = [] if stage == p * v - 1 else [Action("recv_grad", k, c)]
-    acts.append(Action("backward", k, c))
-    if stage > 0:
-        acts.append(Action("send_grad", k, c))
-    return acts
+    recv, send = messages(Action("backward", k, c), p, rank, v)
+    return [*recv, Action("backward", k, c), *send]
 
 
 def naive(p: int, m: int, rank: int) -> list[Action]:
@@ -138,18 +163,85 @@ def interleaved_1f1b(p: int, m: int, rank: int, v: int = 2) -> list[Action]:
     return acts
 
 
-SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+def with_messages(orders: list[list[Action]], rank: int, v: int = 1, style: str = "loop"):
+    """Rank ``rank``'s computations (``orders[rank]``, every rank's given) with their
+    messages: after each computation its sends, and the receives the next one reads,
+    posted together (Megatron's ``send_forward_recv_backward``). Messages between two
+    ranks pair in the order they are posted, so a rank posts its receives from a peer in
+    the order the peer sends: with two chunks in a V, a rank receives activations and
+    gradients from the same neighbour, in the neighbour's order, and may post a receive
+    early, before one its next computation reads (torch's ``_add_send_recv`` places its
+    receives by the same rule: when the sender sends)."""
+    p = len(orders)
+    coming = {}  # peer -> what it sends this rank, in its order (as this rank receives it)
+    for src, order in enumerate(orders):
+        for a in order:
+            for send in messages(a, p, src, v, style)[1]:
+                dst, chunk = peer(send, p, src, style)
+                kind = send.kind.replace("send", "recv")
+                coming.setdefault(dst, {}).setdefault(src, []).append(
+                    Action(kind, send.microbatch, chunk)
+                )
+    coming, posted = coming.get(rank, {}), {src: 0 for src in coming.get(rank, {})}
+    acts = []
+    for a in orders[rank]:
+        for receive in messages(a, p, rank, v, style)[0]:
+            src = peer(receive, p, rank, style)[0]
+            upto = coming[src].index(receive) + 1
+            acts += coming[src][posted[src] : upto]  # this one, and those sent before it
+            posted[src] = max(posted[src], upto)
+        acts += [a, *messages(a, p, rank, v, style)[1]]
+    return acts
+
+
+def looped_bfs(p: int, m: int, rank: int, v: int = 2) -> list[Action]:
+    """Breadth-first over ``v`` chunks per rank (Lamy-Poirier 2023, "Breadth-First
+    Pipeline Parallelism"; torch's ``ScheduleLoopedBFS``): every micro-batch through
+    chunk 0, then through chunk 1, and so on, then the backwards chunk by chunk in
+    reverse: GPipe over the chunks. It holds all ``m v`` chunks' activations, where the
+    depth-first :func:`interleaved_1f1b` holds about ``p``; in exchange each chunk's
+    forward (and backward) runs once for the whole batch in one stretch, which is what
+    FSDP wants: one gather of a chunk's weights, one reduce-scatter of its gradients."""
+    _check(p, m, rank, v)
+    order = [Action("forward", k, c) for c in range(v) for k in range(m)]
+    order += [Action("backward", k, c) for c in reversed(range(v)) for k in reversed(range(m))]
+    return with_messages([order] * p, rank, v)
+
+
+SCHEDULES = {
+    "naive": naive,
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "looped-bfs": looped_bfs,
+}
+#: The zero-bubble schedules of :mod:`labsupport.parallel.zero_bubble`, which split the
+#: backward pass; the V-shaped ones place their two chunks per rank as a V (:func:`stage_of`).
+ZERO_BUBBLE, V_SHAPED = ("zb-h1", "zbv", "dualpipev"), ("zbv", "dualpipev")
 
 
 def build(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Every rank's action list for schedule ``name``."""
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
-    if name == "interleaved":
-        return [interleaved_1f1b(p, m, r, v) for r in range(p)]
-    if v != 1:
-        raise ValueError(f"only the interleaved schedule has several chunks per rank (v={v})")
+    """Every rank's action list for schedule ``name`` (the V-shaped ones: ``v = 2``)."""
+    if name not in (*SCHEDULES, *ZERO_BUBBLE):
+        names = ", ".join((*SCHEDULES, *ZERO_BUBBLE))
+        raise ValueError(f"schedule must be one of {names}, got {name!r}")
+    if name in ("interleaved", "looped-bfs"):
+        return [SCHEDULES[name](p, m, r, v) for r in range(p)]
+    if v != (2 if name in V_SHAPED else 1):
+        raise ValueError(
+            f"{name} runs {2 if name in V_SHAPED else 1} chunk(s) per rank, got v={v}; only "
+            "the interleaved and the looped breadth-first schedules take any v"
+        )
+    if name in ZERO_BUBBLE:
+        from labsupport.parallel import zero_bubble  # it builds on this module
+
+        return [zero_bubble.SCHEDULES[name](p, m, r) for r in range(p)]
     return [SCHEDULES[name](p, m, r) for r in range(p)]
+
+
+def style(name: str) -> str:
+    """How schedule ``name`` places its chunks on the ranks (:func:`stage_of`)."""
+    return "v" if name in V_SHAPED else "loop"
 
 
 def batches(actions: list[Action]) -> list[list[Action]]:
@@ -164,69 +256,10 @@ def batches(actions: list[Action]) -> list[list[Action]]:
     return grouped
 
 
-def peer(a: Action, p: int, rank: int) -> tuple[int, int]:
+def peer(a: Action, p: int, rank: int, style: str = "loop") -> tuple[int, int]:
     """The (rank, chunk) a communication action talks to."""
-    stage = a.chunk * p + rank + (1 if a.kind in ("send_act", "recv_grad") else -1)
-    return stage % p, stage // p
-
-
-def simulate(lists: list[list[Action]]) -> list[list[tuple[Action, int]]]:
-    """Play the schedule, message by message: each compute action takes one time slot; a
-    rank posts each batch of messages when it reaches it and waits until every message in
-    it has been posted by the peer too (in any of the peer's batches, earlier or later).
-    A message matches the peer's message for the same micro-batch and chunk: stricter
-    than NCCL and gloo, which pair the messages between two ranks in posting order, so
-    lists that disagree on the order would, run for real, swap micro-batches silently.
-    Returns each rank's compute actions with their slot; raises ``RuntimeError`` naming
-    what every rank waits for when none can go on: the lists do not match."""
-    p = len(lists)
-    queues = [batches(acts) for acts in lists]
-    position, clock = [0] * p, [0] * p
-    posted: dict[tuple[int, Action], int] = {}  # (rank, action) -> slot it was posted at
-    timeline: list[list[tuple[Action, int]]] = [[] for _ in range(p)]
-    while any(position[r] < len(queues[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            while position[r] < len(queues[r]):
-                batch = queues[r][position[r]]
-                if batch[0].kind not in COMM:
-                    timeline[r].append((batch[0], clock[r]))
-                    clock[r] += 1
-                else:
-                    for a in batch:
-                        posted.setdefault((r, a), clock[r])
-                    matches = [_match(a, r, p) for a in batch]
-                    if not all(m in posted for m in matches):
-                        break
-                    clock[r] = max(clock[r], *(posted[m] for m in matches))
-                position[r] += 1
-                progressed = True
-        if not progressed:
-            waiting = "; ".join(
-                f"rank {r} waits in {queues[r][position[r]]}"
-                for r in range(p)
-                if position[r] < len(queues[r])
-            )
-            raise RuntimeError(
-                f"the ranks' lists do not match: {waiting}. Run for real, they would hang, "
-                "or pair messages of different micro-batches (NCCL and gloo pair two ranks' "
-                "messages in the order they are posted) and train on swapped tensors"
-            )
-    return timeline
-
-
-_MATCH = {
-    "send_act": "recv_act",
-    "recv_act": "send_act",
-    "send_grad": "recv_grad",
-    "recv_grad": "send_grad",
-}
-
-
-def _match(a: Action, rank: int, p: int) -> tuple[int, Action]:
-    """The (rank, action) at the other end of communication action ``a``."""
-    other, chunk = peer(a, p, rank)
-    return other, Action(_MATCH[a.kind], a.microbatch, chunk)
+    step = 1 if a.kind in ("send_act", "recv_grad") else -1
+    return place(stage_of(p, rank, a.chunk, style) + step, p, style)
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> dict:
@@ -234,10 +267,3 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> dict:
     ``(p-1)/(v·m + p-1)``, and over the ideal (busy) time, ``(p-1)/(v·m)``
     (Narayanan et al. 2021, section 2.2, with v = 1 for GPipe and 1F1B)."""
     return {"of_total": (p - 1) / (v * m + p - 1), "of_ideal": (p - 1) / (v * m)}
-
-
-def measured_bubble(timeline: list[list[tuple[Action, int]]]) -> float:
-    """Idle share of the pipeline's span in a simulated timeline (every action one slot)."""
-    span = max(slot + 1 for rank in timeline for _, slot in rank)
-    busy = sum(len(rank) for rank in timeline)
-    return 1 - busy / (span * len(timeline))

@@ -25,10 +25,12 @@ a gradient with one all-reduce of a byte per parameter, as DDP all-reduces its
 optimizers that update each element from its own gradient and state (:data:`ELEMENTWISE`).
 
 Every rank calls the same collectives in the same order: stages 2 and 3 reduce a unit
-when autograd has finished its backward (:class:`_AfterBackward`), the same point of the
-graph on every rank whichever parameters each used; the root at the end of the backward
-pass. Stage 3 needs every rank to run every unit's forward, as FSDP does. Collectives go
-through :mod:`labsupport.comm.traced`, so the labs can count them.
+when autograd has finished its backward (:class:`~labsupport.parallel.backward_hooks.
+AfterBackward`), the same point of the graph on every rank whichever parameters each
+used; the root at the end of the backward pass. Stage 3 needs every rank to run every
+unit's forward, as FSDP does; with ``prefetch=k`` it starts gathering the next ``k``
+units while one runs, as FSDP2 prefetches, in the units' order, the same on every rank.
+Collectives go through :mod:`labsupport.comm.traced`, so the labs can count them.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, NAdam, RAdam, RMSprop, Rprop
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from labsupport.comm import traced
+from labsupport.parallel.backward_hooks import AfterBackward, on_first_grad
 
 
 @dataclass(frozen=True)
@@ -95,11 +97,25 @@ class FlatUnit:
 
     def gather(self) -> None:
         """All-gather every rank's shard into the full buffer, reallocated if freed."""
+        self.finish(self.start())
+
+    def start(self):
+        """Start :meth:`gather`'s all-gather and return it (stage 3 prefetches with it)."""
+        return traced.all_gather(self.shard.detach().clone(), 0, self.group, async_op=True)
+
+    def finish(self, started) -> None:
+        """Wait for the all-gather :meth:`start` began and copy it into the full buffer,
+        reallocated if freed (the same storage: autograd saved views of it)."""
+        out, work = started
+        work.wait()
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.padded * self.full.element_size())
-        self.full.copy_(traced.all_gather(self.shard.detach().clone(), 0, self.group))
+        self.full.copy_(out)
         self.views(self.full)
+
+    def gathered_bytes(self) -> int:
+        return self.full.untyped_storage().nbytes()
 
     def free(self) -> None:
         """Give back the full buffer's memory; the parameters' views point at nothing."""
@@ -132,9 +148,13 @@ class ZeRO:
     parameter gets the same options (one parameter group).
     """
 
-    def __init__(self, model: nn.Module, stage: int, group=None, optimizer_class=Adam, **defaults):
+    def __init__(
+        self, model: nn.Module, stage: int, group=None, optimizer_class=Adam, prefetch=0, **defaults
+    ):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
+        if prefetch and stage != 3:
+            raise ValueError(f"only stage 3 gathers units to prefetch; got prefetch={prefetch}")
         optimizer_class = _elementwise(optimizer_class)
         self.model, self.stage, self.group = model, stage, group
         self.sharding = shard = STAGES[stage]
@@ -149,23 +169,43 @@ class ZeRO:
         pieces = [piece for _, unit in self.units for piece in unit.pieces]
         self.optimizer = optimizer_class(pieces, **defaults)
         self._reduced, self._queued = set(), False  # this backward pass's reductions
+        self.prefetch, self._started, self.gathered_peak = prefetch, {}, 0
+        units = [u for _, u in self.units]  # the root runs first and its backward first
+        self._next = {True: [units[-1], *units[:-1]], False: [units[-1], *units[-2::-1]]}
         for module, unit in self.units:
             if shard.parameters:
-                module.register_forward_pre_hook(lambda *_, u=unit: u.gather())
+                module.register_forward_pre_hook(lambda *_, u=unit: self._gather(u, True))
                 module.register_forward_hook(lambda _m, _i, out, u=unit: self._used(u, out))
                 unit.free()  # each rank keeps its shard
             if shard.gradients and module is not model:
                 module.register_forward_pre_hook(
-                    lambda _m, args, u=unit: _AfterBackward.wrap(args, lambda: self._reduce(u))
+                    lambda _m, args, u=unit: AfterBackward.wrap(args, lambda: self._reduce(u))
                 )
         if shard.gradients:
-            model.register_forward_hook(lambda _m, _i, out: _on_first_grad(out, self._begin))
+            model.register_forward_hook(lambda _m, _i, out: on_first_grad(out, self._begin))
 
     def _used(self, unit: FlatUnit, output) -> None:
         """Stage 3, after a unit's forward: free it, and gather it again as soon as the
         backward pass reaches its outputs, before autograd runs its backward."""
         unit.free()
-        _on_first_grad(output, unit.gather)
+        on_first_grad(output, lambda: self._gather(unit, False))
+
+    def _gather(self, unit: FlatUnit, forward: bool) -> None:
+        """Stage 3: make ``unit`` whole (its prefetched all-gather waited for, or one now),
+        then start gathering the next ``prefetch`` units of this pass, as FSDP2 does: in
+        the order the units run, the same on every rank, so the collectives match."""
+        started = self._started.pop(id(unit), None)
+        if started is not None:
+            unit.finish(started)
+        elif unit.gathered_bytes() == 0:
+            unit.gather()
+        order = self._next[forward]
+        for later in order[order.index(unit) + 1 :][: self.prefetch]:
+            if id(later) not in self._started and later.gathered_bytes() == 0:
+                self._started[id(later)] = later.start()
+        held = sum(u.gathered_bytes() for u in order)
+        held += sum(out.untyped_storage().nbytes() for out, _ in self._started.values())
+        self.gathered_peak = max(self.gathered_peak, held)
 
     def _begin(self) -> None:
         """The backward pass reached the model's outputs: reduce what is left at its end."""
@@ -177,6 +217,8 @@ class ZeRO:
         """Once a unit's backward is over (stage 1: at the step), nothing later needs its
         full gradients (stage 3: nor its weights)."""
         self._reduced.add(id(unit))
+        if id(unit) in self._started:  # prefetched, and no gradient reached it here
+            unit.finish(self._started.pop(id(unit)))
         unit.reduce_scatter_grads()
         if self.sharding.parameters:
             unit.free()
@@ -237,51 +279,6 @@ class ZeRO:
                 t.nbytes for s in states for t in s.values() if torch.is_tensor(t) and t.dim()
             ),
         }
-
-
-class _AfterBackward(torch.autograd.Function):
-    """The identity on a unit's inputs; its backward runs once autograd has computed
-    their gradients, that is once the unit's backward is over (FSDP2's
-    ``RegisterPostBackwardFunction``, ``torch/distributed/fsdp/_fully_shard/
-    _fsdp_param_group.py``: autograd runs a parameter's gradient accumulation as soon as
-    it can, before any other ready node)."""
-
-    @staticmethod
-    def forward(ctx, callback, *inputs):
-        ctx.callback = callback
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
-
-    @staticmethod
-    def wrap(args, callback):
-        """A forward pre-hook: the unit's inputs that need a gradient, through this."""
-        flat, spec = tree_flatten(args)
-        where = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
-        if not where or not torch.is_grad_enabled():
-            return None
-        through = _AfterBackward.apply(callback, *(flat[i] for i in where))
-        for i, t in zip(where, through, strict=True):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
-
-
-def _on_first_grad(output, fn) -> None:
-    """Call ``fn`` once, when the backward pass reaches the first of ``output``'s tensors."""
-    called = []
-
-    def hook(grad):
-        if not called:
-            called.append(True)
-            fn()
-        return grad
-
-    for t in tree_flatten(output)[0]:
-        if torch.is_tensor(t) and t.requires_grad:
-            t.register_hook(hook)
 
 
 def _elementwise(optimizer_class):

@@ -9,17 +9,19 @@ backward solid, a second model chunk hatched.
 
 from __future__ import annotations
 
-from labsupport.parallel import schedules
+from labsupport.parallel import schedules, simulator
 from labsupport.viz.style import PAGE_WIDTH, SMALL, figure, rank_color, subplots
 
 
-def simulated(name: str, p: int, m: int, v: int = 1) -> list[list[tuple]]:
+def simulated(name: str, p: int, m: int, v: int = 1, durations=None) -> list[list[tuple]]:
     """The timeline of schedule ``name`` played by :func:`~labsupport.parallel.
-    schedules.simulate`, every chunk's forward or backward one slot of ``1/v``: time in
-    units of one whole stage's forward."""
-    timeline = schedules.simulate(schedules.build(name, p, m, v))
+    simulator.simulate`, every chunk's forward or backward one slot of ``1/v`` (or
+    ``durations[kind]`` of them): time in units of one whole stage's forward."""
+    lists = schedules.build(name, p, m, v)
+    timeline = simulator.simulate(lists, schedules.style(name), durations)
+    d = durations or {}
     return [
-        [(a.kind, a.microbatch, a.chunk, slot / v, (slot + 1) / v) for a, slot in rank]
+        [(a.kind, a.microbatch, a.chunk, t / v, (t + d.get(a.kind, 1)) / v) for a, t in rank]
         for rank in timeline
     ]
 
@@ -27,10 +29,10 @@ def simulated(name: str, p: int, m: int, v: int = 1) -> list[list[tuple]]:
 def draw_timeline(
     timeline, ax=None, title: str | None = None, xlabel: str = "time", labels=True, span=None
 ):
-    """A Gantt chart: one row per rank (rank 0 on top), one box per forward (light) or
-    backward (solid) action, labelled with its micro-batch where the box has room for
-    the number; chunk 1 and up hatched. The time axis ends at ``span`` (the timeline's
-    end by default)."""
+    """A Gantt chart: one row per rank (rank 0 on top), one box per forward (light),
+    backward or B of a split backward (solid), or W (between), labelled with its
+    micro-batch where the box has room for the number; chunk 1 and up hatched. The time
+    axis ends at ``span`` (the timeline's end by default)."""
     p = len(timeline)
     if ax is None:
         _, ax = figure(PAGE_WIDTH, 0.45 * p + 1.0)
@@ -45,7 +47,7 @@ def draw_timeline(
                 [(start, end - start)],
                 (y - 0.38, 0.76),
                 facecolors=rank_color(rank),
-                alpha=0.45 if forward else 1.0,
+                alpha={"forward": 0.35, "backward_weight": 0.7}.get(kind, 1.0),
                 edgecolor="white",
                 linewidth=0.6,
                 hatch="///" if chunk else None,
@@ -70,17 +72,24 @@ def draw_timeline(
     return ax
 
 
-def draw_schedules(cases, p: int = 4):
+def draw_schedules(cases, p: int = 4, durations=None):
     """One simulated Gantt chart per ``(title, name, m, v)`` of ``cases``, on one time
-    axis (units of one stage's forward; a backward takes one unit too)."""
+    axis (units of one stage's forward; a backward takes one unit too, or as many as
+    ``durations`` gives)."""
     fig, axes = subplots(len(cases), 1, PAGE_WIDTH, 1.7 * len(cases) + 0.5, sharex=True)
-    span = max(max(e for rank in simulated(n, p, m, v) for *_, e in rank) for _, n, m, v in cases)
+    span = max(
+        max(e for rank in simulated(n, p, m, v, durations) for *_, e in rank)
+        for _, n, m, v in cases
+    )
     for ax, (title, name, m, v) in zip(axes, cases, strict=True):
-        timeline = simulated(name, p, m, v)
-        bubble = schedules.measured_bubble(schedules.simulate(schedules.build(name, p, m, v)))
+        timeline = simulated(name, p, m, v, durations)
+        lists = schedules.build(name, p, m, v)
+        played = simulator.simulate(lists, schedules.style(name), durations)
+        bubble = simulator.measured_bubble(played, durations)
         title = f"{title}: idle {bubble:.0%} of the total"
         draw_timeline(timeline, ax, title, xlabel="", span=span)
-    axes[-1].set_xlabel("time (slots: one stage's forward or backward\nof one micro-batch)")
+    unit = "forward or backward" if durations is None else "forward, B or W"
+    axes[-1].set_xlabel(f"time (slots: one stage's {unit}\nof one micro-batch)")
     fig.tight_layout()
     return fig
 
@@ -99,12 +108,12 @@ def draw_measured_and_simulated(cases, p: int = 4):
 
 def held_over_time(timeline) -> list[list[tuple[float, int]]]:
     """Per rank, ``(time, micro-batches held)`` after each action: a forward adds the
-    micro-batch's activations, its backward frees them."""
+    micro-batch's activations, its backward (or its W, when split) frees them."""
     out = []
     for events in timeline:
         held, steps = 0, [(0.0, 0)]
         for kind, _, _, _, end in sorted(events, key=lambda e: e[4]):
-            held += 1 if kind == "forward" else -1
+            held += {"forward": 1, "backward_input": 0}.get(kind, -1)
             steps.append((end, held))
         out.append(steps)
     return out
@@ -193,3 +202,16 @@ def bubble_figure():
     85 % of the page)."""
     _, ax = figure(0.85 * PAGE_WIDTH, 3.2)
     return draw_bubble(p_values=(4, 8), m_max=64, interleaved=((4, 2),), ax=ax).figure
+
+
+def zero_bubble_figure():
+    """Chapter 11: 1F1B and the zero-bubble schedules on 4 ranks, ``T_F = T_B = T_W``."""
+    return draw_schedules(
+        [
+            ("1F1B, m = 8", "1f1b", 8, 1),
+            ("ZB-H1, m = 8", "zb-h1", 8, 1),
+            ("ZB-V, m = 8", "zbv", 8, 2),
+            ("DualPipeV, m = 8", "dualpipev", 8, 2),
+        ],
+        durations=simulator.SPLIT,
+    )

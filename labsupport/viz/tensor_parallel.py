@@ -179,3 +179,41 @@ def draw_activations(model: str = "GPT-3 175B", t_values=(1, 2, 4, 8)):
     ax.set_title(f"{model}: activations of one layer,\none sequence of {s} tokens", fontsize=SMALL)
     ax.legend(fontsize=SMALL, frameon=False)
     return fig
+
+
+def draw_sequence_parallel_shapes(t: int = 4):
+    """One transformer block with tensor and sequence parallelism on ``t`` ranks, region
+    by region, with the shape of the activation each rank holds there (``s`` tokens,
+    ``b`` sequences, width ``h``, ``a`` heads): sequence-split around the LayerNorms,
+    dropouts and residual additions, split by heads or hidden features inside attention
+    and the MLP, all-gathers (*g*) and reduce-scatters (*ḡ*) between."""
+    steps = [
+        ("LayerNorm, dropout, residual", f"s/{t} × b × h", "sequence"),
+        ("g: all-gather", "", "collective"),
+        ("Q, K, V (column-parallel)", f"s × b × 3h/{t}", "split"),
+        (f"attention of a/{t} heads", f"s × b × h/{t}", "split"),
+        ("output projection (row-parallel)", "s × b × h, partial sums", "sum"),
+        ("ḡ: reduce-scatter", "", "collective"),
+        ("LayerNorm, dropout, residual", f"s/{t} × b × h", "sequence"),
+        ("g: all-gather", "", "collective"),
+        ("MLP up and GeLU (column-parallel)", f"s × b × 4h/{t}", "split"),
+        ("MLP down (row-parallel)", "s × b × h, partial sums", "sum"),
+        ("ḡ: reduce-scatter", "", "collective"),
+    ]
+    colors = {"sequence": rank_color(0), "split": rank_color(1), "sum": SUM, "collective": "white"}
+    row = 0.62
+    fig, ax = figure(PAGE_WIDTH, row * len(steps) + 0.9)
+    y = row * (len(steps) - 1)
+    for i, (name, shape, kind) in enumerate(steps):
+        alpha = 1.0 if kind == "collective" else 0.45
+        _box(ax, 0, y, 3.9, row * 0.72, name, colors[kind], alpha=alpha, fontsize=SMALL)
+        ax.text(4.1, y + row * 0.36, shape, va="center", fontsize=SMALL)
+        if i < len(steps) - 1:
+            _arrow(ax, (1.95, y), (1.95, y - row * 0.28))
+        y -= row
+    ax.text(0, row * len(steps) + 0.05, f"what each of t = {t} ranks holds, top to bottom",
+            fontsize=SMALL)  # fmt: skip
+    ax.set_xlim(-0.1, 6.4)
+    ax.set_ylim(-0.1, row * len(steps) + 0.35)
+    ax.axis("off")
+    return fig
