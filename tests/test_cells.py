@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from labsupport import LaunchError, launch
@@ -73,6 +74,32 @@ def test_an_exercise_on_ranks_tells_a_stub_from_a_failure(capsys):
     assert "Not attempted yet" in capsys.readouterr().out
     with pytest.raises(LaunchError, match="a real mistake"):
         check_on_ranks(broken_on_rank_one)
+
+
+def test_number_takes_what_float_takes_and_says_what_else_to_return():
+    assert cells.number(3) == 3.0 and cells.number("2.5") == 2.5
+    with pytest.raises(AssertionError, match=r"returned None: it should return a number$"):
+        cells.number(None)
+    with pytest.raises(AssertionError, match="returned 'a lot': it should return a fraction"):
+        cells.number("a lot", "a fraction")
+
+
+def only_rank_0_calls_all_reduce():  # the other rank never joins: the launch hangs
+    total = torch.zeros(1)
+    if dist.get_rank() == 0:
+        dist.all_reduce(total)
+    return total.item()
+
+
+def test_launch_answer_reports_a_hang_as_a_wrong_answer_and_a_raise_as_it_is():
+    assert cells.launch_answer(dist.get_rank, 2, "unused", timeout=60) == [0, 1]
+    with pytest.raises(AssertionError) as info:
+        cells.launch_answer(only_rank_0_calls_all_reduce, 2, "Does every rank join?", timeout=5)
+    text = str(info.value)
+    assert text.startswith("on 2 ranks, the ranks did not all finish within 5 s. Does every")
+    assert text.split("\n", 1)[1].strip()  # the launcher's account of the ranks follows
+    with pytest.raises(LaunchError, match="a real mistake"):
+        cells.launch_answer(broken_on_rank_one, 2, "unused", timeout=60)
 
 
 def shown(exc: BaseException) -> str:

@@ -5,7 +5,9 @@
 * :func:`format_table`: rows of dicts (one per rank, usually) as fixed-width text;
 * :func:`exercise`: turns a checker into one that says "not attempted yet" for the stub
   a lab gives the learner, and "correct" (without giving the answer away) or a short
-  verdict that says what is wrong, for an attempt.
+  verdict that says what is wrong, for an attempt;
+* :func:`number` and :func:`launch_answer`, for checkers: the learner's value as a number,
+  and the learner's function run on real ranks, a hang reported as a wrong answer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sysconfig
 import traceback
 from pathlib import Path
 
+from labsupport.launch import launch
 from labsupport.launch.errors import LaunchError
 
 
@@ -158,3 +161,30 @@ def exercise(check):
         return Checked(True)
 
     return checker
+
+
+def number(value, what: str = "a number") -> float:
+    """``value``, what the learner's function returned, as a float; otherwise an
+    ``AssertionError`` (a checker's verdict) saying that it should return ``what``."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise AssertionError(f"your function returned {value!r}: it should return {what}") from None
+
+
+def launch_answer(fn, world_size: int, hint: str, timeout: float, args=(), kwargs=None) -> list:
+    """``fn`` (the learner's function, or a case that calls it) on ``world_size`` ranks
+    under :func:`labsupport.launch`: each rank's result. A rank that raised is re-raised
+    (its traceback says why); ranks that do not all finish within ``timeout`` seconds (a
+    rank waiting for a message or a collective that no rank sends) are a wrong answer,
+    an ``AssertionError`` that says so, then ``hint`` (what to look at), then the
+    launcher's account of each rank."""
+    try:
+        return launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout)
+    except LaunchError as exc:
+        if exc.root_rank is not None:
+            raise  # a rank failed on its own: its traceback says why
+        raise AssertionError(
+            f"on {world_size} ranks, the ranks did not all finish within {timeout:g} s. "
+            f"{hint}\n{exc}"
+        ) from None

@@ -16,9 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labsupport.labs.cells import exercise
-from labsupport.launch.errors import LaunchError
-from labsupport.launch.launcher import launch
+from labsupport.labs.cells import exercise, launch_answer
 from labsupport.launch.runtime import device
 
 
@@ -73,15 +71,8 @@ def barrier_times(step_s: float = 0.1) -> dict:
 
 def _run(fn, world_size: int, kwargs=None, timeout: float = 60) -> list:
     """``fn`` on ``world_size`` ranks; a launch that hangs is the learner's answer's fault."""
-    try:
-        return launch(fn, world_size=world_size, kwargs=kwargs, timeout=timeout)
-    except LaunchError as exc:
-        if exc.root_rank is not None:
-            raise  # a rank failed on its own: its traceback says why
-        raise AssertionError(
-            f"world_size={world_size}: the ranks did not all finish. Does every rank make "
-            f"the same collective calls, in the same order?\n{exc}"
-        ) from None
+    hint = "Does every rank make the same collective calls, in the same order?"
+    return launch_answer(fn, world_size, hint, timeout, kwargs=kwargs)
 
 
 @exercise

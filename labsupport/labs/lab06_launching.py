@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from labsupport.labs.cells import exercise
+from labsupport.labs.cells import exercise, launch_answer
 
 # the Slurm job of section 6 lives in lab06_nodes; the lab uses it from here
 # (``name as name``: re-exported)
@@ -27,7 +27,6 @@ from labsupport.labs.lab06_nodes import SBATCH_TWO_NODES as SBATCH_TWO_NODES
 from labsupport.labs.lab06_nodes import SLURM_STAND_INS as SLURM_STAND_INS
 from labsupport.labs.lab06_nodes import sbatch_here as sbatch_here
 from labsupport.launch import loopback
-from labsupport.launch.errors import LaunchError
 from labsupport.launch.launcher import launch
 from labsupport.launch.nodes import torchrun_nodes
 from labsupport.launch.progress import progress
@@ -228,16 +227,11 @@ def check_ring_sum(fn, world_sizes=(2, 3, 4), timeout: float = 30) -> str:
     a peer returned early are a wrong answer, reported as such.
     """
     for world in world_sizes:
-        try:
-            results = launch(fn, world_size=world, timeout=timeout)
-        except LaunchError as exc:
-            if exc.root_rank is not None:
-                raise  # a rank failed on its own: its traceback says why
-            raise AssertionError(
-                f"world_size={world}: the ranks did not all finish. A rank waited for a "
-                "message that no rank sent, or from a rank that had already returned: does "
-                f"every send have its recv, and every recv its send?\n{exc}"
-            ) from None
+        hint = (
+            "A rank waited for a message that no rank sent, or from a rank that had already "
+            "returned: does every send have its recv, and every recv its send?"
+        )
+        results = launch_answer(fn, world, hint, timeout)
         want = world * (world - 1) // 2
         hint = " (does each rank add its own rank before passing the total on?)"
         assert results[0] == want, (

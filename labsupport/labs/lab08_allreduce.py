@@ -26,7 +26,7 @@ import torch.distributed as dist
 from labsupport.comm import allreduce, p2p
 from labsupport.comm.allreduce import ALGORITHMS, all_reduce
 from labsupport.comm.cost import all_reduce_time
-from labsupport.labs.cells import exercise
+from labsupport.labs.cells import exercise, number
 from labsupport.launch.runtime import device
 from labsupport.measure.timing import side_by_side
 
@@ -172,7 +172,7 @@ def check_ring_bytes(fn) -> str:
     ring all-reduce of ``nbytes``, for sizes that divide by the world size."""
     for world in (2, 3, 4, 8, 64):
         for nbytes in (world * 4, world * 4096, world * 10**6):
-            got = _number(fn(nbytes, world), "a number of bytes")
+            got = number(fn(nbytes, world), "a number of bytes")
             want = 2 * (world - 1) * nbytes // world
             if got == want:
                 continue
@@ -195,7 +195,7 @@ def check_ring_time(fn) -> str:
     alpha, beta = 1e-5, 1e-10
     for world in (2, 8, 1024):
         for nbytes in (4, 2**20, 2**30):
-            got = _number(fn(nbytes, world, alpha, beta), "a time in seconds")
+            got = number(fn(nbytes, world, alpha, beta), "a time in seconds")
             want = float(all_reduce_time("ring", world, nbytes, alpha, beta))
             if _close(got, want):
                 continue
@@ -203,11 +203,11 @@ def check_ring_time(fn) -> str:
             side = "more" if got > want else "less"
             # A time linear in alpha and beta splits into its latency part (beta = 0)
             # and its bandwidth part (alpha = 0): say which one is off.
-            latency = _number(fn(nbytes, world, alpha, 0.0), "a time in seconds")
+            latency = number(fn(nbytes, world, alpha, 0.0), "a time in seconds")
             if not _close(latency, float(all_reduce_time("ring", world, nbytes, alpha, 0.0))):
                 hint = "the latency part (beta = 0) is off: how many messages, one after another?"
             elif not _close(
-                _number(fn(nbytes, world, 0.0, beta), "a time in seconds"),
+                number(fn(nbytes, world, 0.0, beta), "a time in seconds"),
                 float(all_reduce_time("ring", world, nbytes, 0.0, beta)),
             ):
                 hint = "the bandwidth part (alpha = 0) is off: how many bytes does a rank send?"
@@ -226,11 +226,3 @@ def _close(got: float, want: float) -> bool:
     step more or less on 1,024 ranks changes the time by 1/2046, 5e-4).
     """
     return math.isclose(got, want, rel_tol=1e-12, abs_tol=0.0)
-
-
-def _number(value, what: str) -> float:
-    """``value`` as a float, or an assertion that says what the function should return."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise AssertionError(f"your function returned {value!r}: it should return {what}") from None

@@ -17,7 +17,7 @@ from torch import nn
 
 from labsupport.comm.allreduce import all_reduce, bytes_sent
 from labsupport.comm.p2p import count_traffic
-from labsupport.labs.cells import exercise
+from labsupport.labs.cells import exercise, number
 from labsupport.launch.launcher import launch
 from labsupport.launch.runtime import device
 from labsupport.parallel import parameter_server as ps
@@ -178,7 +178,7 @@ def check_server_bytes(fn) -> str:
         (124_439_808, 64, 8),
         (10**9, 1024, 16),
     ]:
-        got = _number(fn(numel, workers, servers))
+        got = number(fn(numel, workers, servers))
         want = workers * 4 * numel // servers
         if got == want:
             continue
@@ -211,7 +211,7 @@ def check_staleness(fn) -> str:
         answer = fn(list(order), 3)
         if not isinstance(answer, list | tuple):
             raise AssertionError(f"your function returned {answer!r}: it should return a list")
-        got = [_number(s) for s in answer]
+        got = [number(s) for s in answer]
         want = simulate_staleness(order, 3)
         if got == want:
             continue
@@ -244,12 +244,3 @@ def _real_order() -> list[int]:
     order = [u["worker"] for u in server["updates"]]
     assert simulate_staleness(order, 3) == want, "the server's records disagree with the model"
     return order
-
-
-def _number(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise AssertionError(
-            f"your function returned {value!r}: it should return a number"
-        ) from None

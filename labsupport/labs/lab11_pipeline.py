@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labsupport.labs.cells import exercise
+from labsupport.labs.cells import exercise, number
 from labsupport.labs.lab11_stages import (
     LAB_GPT,
     MICRO_BATCH,
@@ -187,7 +187,7 @@ def step_time_model(p: int, m: int, forward: float, backward: float, message: fl
 def check_bubble(fn) -> str:
     """Exercise 1: ``fn(p, m, v)`` must give the idle share of the total time."""
     for p, m, v in [(4, 8, 1), (8, 32, 1), (2, 1, 1), (4, 8, 2), (8, 64, 4), (1, 4, 1)]:
-        got = _number(fn(p, m, v), "a fraction between 0 and 1")
+        got = number(fn(p, m, v), "a fraction between 0 and 1")
         want = schedules.bubble_fraction(p, m, v)["of_total"]
         if math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-15):
             continue
@@ -291,10 +291,3 @@ def _peak_held(acts) -> int:
         held += {"forward": 1, "backward": -1}.get(a.kind, 0)
         peak = max(peak, held)
     return peak
-
-
-def _number(value, what: str) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise AssertionError(f"your function returned {value!r}: it should return {what}") from None

@@ -19,7 +19,7 @@ from torch import nn
 from labsupport import launch
 from labsupport.comm import traced
 from labsupport.estimate.memory import activation_memory
-from labsupport.labs.cells import exercise
+from labsupport.labs.cells import exercise, number
 from labsupport.launch.runtime import device
 from labsupport.models import GPT, GPTConfig, random_tokens
 from labsupport.parallel import tensor_parallel_model as tpm
@@ -191,7 +191,7 @@ def check_tp_bytes(fn) -> str:
     """Exercise 1: ``fn(b, s, h, t, bytes_per_value)``: bytes each rank sends per block
     and training step in the all-reduces of tensor parallelism (ring)."""
     for b, s, h, t, p in [(1, 2048, 12288, 8, 2), (4, 1024, 4096, 2, 2), (8, 512, 1024, 4, 4)]:
-        got = _number(fn(b, s, h, t, p))
+        got = number(fn(b, s, h, t, p))
         want = collective_bytes_formula(b, s, h, t, p)
         if math.isclose(got, want, rel_tol=1e-12):
             continue
@@ -263,7 +263,7 @@ def check_sp_activations(fn) -> str:
     """Exercise 3: ``fn(s, b, h, a, t)``: activation bytes per layer and GPU with tensor
     and sequence parallelism (16-bit values, 1-byte masks, no recomputation)."""
     for s, b, h, a, t in [(2048, 1, 12288, 96, 8), (4096, 2, 4096, 32, 4), (1024, 4, 1024, 16, 2)]:
-        got = _number(fn(s, b, h, a, t))
+        got = number(fn(s, b, h, a, t))
         want = activation_memory(s, b, h, a, 1, tensor_parallel=t, sequence_parallel=True)
         if math.isclose(got, want, rel_tol=1e-9):
             continue
@@ -281,10 +281,3 @@ def check_sp_activations(fn) -> str:
             hint = f"{got / want:.3g} times the formula"
         raise AssertionError(where + hint)
     return "activation bytes per layer with tensor and sequence parallelism"
-
-
-def _number(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise AssertionError(f"your function returned {value!r}: return a number") from None

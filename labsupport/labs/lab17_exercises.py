@@ -12,10 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from labsupport import launch
-from labsupport.labs.cells import exercise
+from labsupport.labs.cells import exercise, launch_answer
 from labsupport.labs.lab17_context_parallel import against_sdpa, qkv
-from labsupport.launch.errors import LaunchError
 from labsupport.parallel import context_parallel as cp
 from labsupport.parallel.blockwise_attention import attention_block, count_work
 
@@ -26,20 +24,6 @@ WORLD = 4
 #: probabilities: measured, 2e-3 at most on gradients of size 78 (correct merge), where
 #: an overflowing merge gives inf or nan.
 LARGE, LARGE_TOL = 60.0, {"rtol": 1e-3, "atol": 1e-2}
-
-
-def _run(case, fn, timeout: float, waiting_for: str) -> list:
-    """``case(fn)`` on :data:`WORLD` ranks; a launch that does not finish is a wrong
-    answer, said plainly."""
-    try:
-        return launch(case, WORLD, args=(fn,), timeout=timeout)
-    except LaunchError as exc:
-        if exc.root_rank is not None:
-            raise  # the learner's code raised on a rank: its traceback says where
-        raise AssertionError(
-            f"on {WORLD} ranks, the ranks did not all finish within {timeout:g} s. "
-            f"{waiting_for}\n{exc}"
-        ) from None
 
 
 # --------------------------------------------------------------------------- the merge
@@ -84,14 +68,12 @@ def merge_case(fn) -> dict:
 def check_merge(fn, timeout: float = 60) -> str:
     """Exercise 1: ``fn(out, lse, block_out, block_lse)`` merges two attention results
     over disjoint keys into ``(out, lse)`` over both; run by the ring on 4 ranks."""
-    results = _run(
-        merge_case,
-        fn,
-        timeout,
+    hint = (
         "A merge runs on one rank's own tensors and needs no message: the ring moves the "
         "keys and values. Does yours call a collective (all_reduce, barrier) that the "
-        "other ranks, which merge a different number of times, never join?",
+        "other ranks, which merge a different number of times, never join?"
     )
+    results = launch_answer(merge_case, WORLD, hint, timeout, args=(fn,))
     r = results[0]
     if not r["pair"]:
         raise AssertionError("return a pair (out, lse): the merged output and its log-sum-exp")
@@ -174,12 +156,8 @@ def _problem(answers: list, n: int) -> str | None:
 def check_zigzag(fn, timeout: float = 60) -> str:
     """Exercise 2: ``fn(rank, cp)`` returns the two chunks (of ``2·cp``) rank ``rank``
     holds, so that a causal mask gives every rank the same work."""
-    results = _run(
-        zigzag_case,
-        fn,
-        timeout,
-        "Did zigzag_chunks return? A loop that never ends keeps every rank waiting.",
-    )
+    hint = "Did zigzag_chunks return? A loop that never ends keeps every rank waiting."
+    results = launch_answer(zigzag_case, WORLD, hint, timeout, args=(fn,))
     r = results[0]
     for n, answers in r["answers"].items():
         problem = _problem(answers, n)

@@ -9,10 +9,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from labsupport import launch
-from labsupport.labs.cells import exercise
+from labsupport.labs.cells import exercise, launch_answer
 from labsupport.labs.lab18_moe import CONFIGS, TOL, lab_moe, tokens
-from labsupport.launch.errors import LaunchError
 from labsupport.launch.runtime import device
 from labsupport.models.moe import MoEConfig, capacity, dispatch_plan, keep_within_capacity
 from labsupport.parallel.expert_parallel import ExpertParallelMoE
@@ -100,16 +98,11 @@ def check_dispatch_plan(fn, world: int = 4, timeout: float = 60) -> str:
         problem = _plan_problem(fn, *case)
         if problem:
             raise AssertionError(problem)
-    try:
-        results = launch(_on_ranks, world, args=(fn,), timeout=timeout)
-    except LaunchError as exc:
-        if exc.root_rank is not None:
-            raise  # a rank failed on its own: its traceback says why
-        raise AssertionError(
-            f"the {world} ranks did not all finish within {timeout:.0f} s: each rank must "
-            "compute its plan from its own routing and nothing else; does your function "
-            f"call a collective, or wait for another rank?\n{exc}"
-        ) from None
+    hint = (
+        "Each rank must compute its plan from its own routing and nothing else: does your "
+        "function call a collective, or wait for another rank?"
+    )
+    results = launch_answer(_on_ranks, world, hint, timeout, args=(fn,))
     bad = next((r for r in range(world) if not all(results[r].values())), None)
     if bad is not None:
         raise AssertionError(f"on {world} ranks, rank {bad}: {results[bad]} against one process")
