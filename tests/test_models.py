@@ -20,9 +20,12 @@ from labsupport.models import (
     GPTConfig,
     MLPStack,
     SmallCNN,
+    batch_share,
+    mse_loss,
     random_tokens,
     regression_data,
     tiny_gpt,
+    train_one_process,
 )
 
 # --------------------------------------------------------------------------- the GPT
@@ -125,6 +128,17 @@ def test_recomputation_gives_the_same_gradients(recompute):
         assert torch.equal(plain, recomputed)
 
 
+def test_tiny_gpt_given_a_whole_shape_is_that_gpt_drawn_from_the_seed():
+    shape = {"vocab_size": 61, "block_size": 8, "n_layer": 3, "n_head": 2, "n_embd": 18}
+    torch.manual_seed(4)
+    want = GPT(GPTConfig(**shape, dropout=0.1))
+    got = tiny_gpt(4, **shape, dropout=0.1)
+    assert got.config == want.config
+    for (name, p), q in zip(got.state_dict().items(), want.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    assert not torch.equal(tiny_gpt(5, **shape).wte.weight, want.wte.weight)
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
@@ -202,3 +216,42 @@ def test_regression_data_is_fixed_by_the_seed():
     again = regression_data(n=10, d_in=3, d_out=2, seed=4)
     assert torch.equal(again[0], x) and torch.equal(again[1], y)
     assert not torch.equal(regression_data(n=10, d_in=3, d_out=2, seed=5)[0], x)
+
+
+@pytest.mark.parametrize(("n", "world"), [(8, 4), (12, 4), (10, 4), (7, 3), (5, 5), (2, 3)])
+def test_the_ranks_shares_of_a_batch_are_contiguous_even_and_cover_it(n, world):
+    shares = [batch_share(n, rank, world) for rank in range(world)]
+    assert [i for s in shares for i in range(n)[s]] == list(range(n))  # in order, each once
+    sizes = [s.stop - s.start for s in shares]
+    assert max(sizes) - min(sizes) <= 1
+    if n % world == 0:
+        assert shares == [slice(r * n // world, (r + 1) * n // world) for r in range(world)]
+    with pytest.raises(ValueError, match=f"rank {world} is not one of the {world} ranks"):
+        batch_share(n, world, world)
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def test_train_one_process_is_the_plain_training_loop():
+    """Against the loop written out (Adam on the GPT's own loss; SGD on the MSE)."""
+    shape = {"vocab_size": 32, "block_size": 8, "n_layer": 1, "n_head": 2, "n_embd": 16}
+    batches = [random_tokens(4, 8, 32, seed=step) for step in range(3)]
+    model, want = tiny_gpt(0, **shape), tiny_gpt(0, **shape)
+    losses = train_one_process(model, torch.optim.Adam(model.parameters(), lr=1e-2), batches)
+    opt, want_losses = torch.optim.Adam(want.parameters(), lr=1e-2), []
+    for idx, targets in batches:
+        opt.zero_grad()
+        loss = want(idx, targets)[1]
+        loss.backward()
+        opt.step()
+        want_losses.append(loss.item())
+    assert losses == want_losses and losses[-1] < losses[0]
+    for p, q in zip(model.parameters(), want.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+    mlp, (x, y) = MLP([16, 8, 4]), regression_data()
+    before = torch.nn.functional.mse_loss(mlp(x), y).item()
+    sgd = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    losses = train_one_process(mlp, sgd, [(x, y)] * 2, mse_loss)
+    assert losses[0] == before and losses[1] < losses[0]

@@ -23,7 +23,7 @@ from labsupport.labs.cells import exercise
 from labsupport.launch.runtime import device
 from labsupport.measure.flops import count_flops
 from labsupport.measure.memory import saved_tensors
-from labsupport.models import GPT, GPTConfig, random_tokens
+from labsupport.models import GPT, random_tokens, tiny_gpt
 
 #: The lab's GPT: small enough for a laptop core, with attention written out (so every
 #: tensor the activation formula counts is one autograd saves) and dropout on.
@@ -44,8 +44,7 @@ FP32_UNIT_ROUNDOFF = 2.0**-24
 def build(seed: int = 0, **overrides) -> GPT:
     """The lab's GPT (:data:`LAB_GPT` with ``overrides``), weights drawn from ``seed``, in
     training mode, on :func:`labsupport.launch.runtime.device`."""
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**(LAB_GPT | overrides))).to(device()).train()
+    return tiny_gpt(seed, **(LAB_GPT | overrides)).to(device()).train()
 
 
 def batch(model: GPT, size: int, seed: int):

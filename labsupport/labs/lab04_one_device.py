@@ -17,6 +17,7 @@ This module also holds the checkers of the lab's exercises.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -29,7 +30,7 @@ from labsupport.labs.lab04_checkpointing import saved_bytes
 from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.measure.timing import side_by_side
-from labsupport.models import MLPStack, regression_data
+from labsupport.models import MLPStack, mse_loss, regression_data, train_one_process
 from labsupport.parallel.data_parallel import all_reduce_gradients
 
 #: fp32's unit roundoff: one rounding changes a value by at most this share of it.
@@ -117,14 +118,7 @@ def train(model: nn.Module, x, y, steps: int = TRAIN_STEPS, lr: float = TRAIN_LR
     """``steps`` steps of SGD on the mean-squared error of the whole batch, on one process;
     returns the loss before each step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return train_one_process(model, optimizer, itertools.repeat((x, y), steps), mse_loss)
 
 
 def data_parallel_training(

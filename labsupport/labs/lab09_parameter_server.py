@@ -20,6 +20,7 @@ from labsupport.comm.p2p import count_traffic
 from labsupport.labs.cells import exercise, number
 from labsupport.launch.launcher import launch
 from labsupport.launch.runtime import device
+from labsupport.models import mse_loss, train_one_process
 from labsupport.parallel import parameter_server as ps
 
 #: The model: 16 inputs, two hidden layers of 64, 4 outputs (5,508 parameters).
@@ -51,13 +52,12 @@ def single_process_sgd(workers: int, steps: int, lr: float = LR) -> torch.Tensor
     parameters as one vector (what synchronous mode must reproduce)."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for step in range(steps):
+
+    def whole(step: int) -> tuple:  # every worker's batch of the step, together
         parts = [batch(w, step) for w in range(workers)]
-        optimizer.zero_grad()
-        F.mse_loss(
-            model(torch.cat([x for x, _ in parts])), torch.cat([y for _, y in parts])
-        ).backward()
-        optimizer.step()
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+    train_one_process(model, optimizer, map(whole, range(steps)), mse_loss)
     return nn.utils.parameters_to_vector(model.parameters()).detach()
 
 

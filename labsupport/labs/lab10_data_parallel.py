@@ -20,7 +20,7 @@ from labsupport.comm.p2p import count_traffic
 from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.measure.timing import side_by_side
-from labsupport.models import GPT, GPTConfig, random_tokens
+from labsupport.models import GPT, batch_share, random_tokens, tiny_gpt, train_one_process
 from labsupport.parallel.data_parallel import DistributedDataParallel, all_reduce_gradients
 
 #: The lab's GPT (the benchmark's, bench/ddp.py): 4 layers, d = 128, 128 tokens, 256 ids.
@@ -32,13 +32,19 @@ WRAPPERS = ("naive", "ours", "torch")
 
 def make_gpt() -> GPT:
     """The lab's GPT, the same weights on every rank (seed 0)."""
-    torch.manual_seed(0)
-    return GPT(GPTConfig(**CONFIG))
+    return tiny_gpt(0, **CONFIG)
 
 
 def global_batch(step: int, world: int):
     """The ``(idx, targets)`` of every rank together at ``step``: ``BATCH * world`` sequences."""
     return random_tokens(BATCH * world, CONFIG["block_size"], CONFIG["vocab_size"], seed=step)
+
+
+def my_share(step: int) -> tuple:
+    """This rank's :data:`BATCH` sequences of :func:`global_batch` at ``step``, on its device."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = batch_share(BATCH * world, rank, world)
+    return tuple(t[mine].to(device()) for t in global_batch(step, world))
 
 
 def wrap(model: nn.Module, kind: str, bucket_cap_mb: float) -> nn.Module:
@@ -54,14 +60,12 @@ def wrap(model: nn.Module, kind: str, bucket_cap_mb: float) -> nn.Module:
 def train(kind: str, steps: int = 3, bucket_cap_mb: float = 0.25, lr: float = LR) -> dict:
     """On every rank: ``steps`` of SGD on this rank's share of each global batch, with
     the gradients averaged by ``kind``; returns the parameters and each step's loss."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make_gpt().to(device())
     ddp = wrap(model, kind, bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    mine = slice(rank * BATCH, (rank + 1) * BATCH)
     losses = []
     for step in progress(range(steps), kind):
-        idx, targets = (t[mine].to(device()) for t in global_batch(step, world))
+        idx, targets = my_share(step)
         optimizer.zero_grad()
         loss = ddp(idx, targets)[1]
         loss.backward()
@@ -76,10 +80,7 @@ def single_process(steps: int, world: int, lr: float = LR) -> dict:
     """What the ranks must reproduce: one process, the whole global batch each step."""
     model = make_gpt()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for step in range(steps):
-        optimizer.zero_grad()
-        model(*global_batch(step, world))[1].backward()
-        optimizer.step()
+    train_one_process(model, optimizer, (global_batch(step, world) for step in range(steps)))
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
@@ -125,15 +126,13 @@ def step_timeline(bucket_cap_mb: float = 0.25) -> list:
     and finished, ``waited`` (``backward()`` returned, every bucket waited for) and
     ``step`` (the optimizer step done). The steps start together, after a barrier.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
     model, events = make_gpt().to(device()), []
     record_gradients(model, events)
     ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     ddp.register_comm_hook(events, timed_allreduce)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    mine = slice(rank * BATCH, (rank + 1) * BATCH)
     for step in range(2):
-        idx, targets = (t[mine].to(device()) for t in global_batch(step, world))
+        idx, targets = my_share(step)
         dist.barrier()
         events.clear()
         marks = [("forward", time.perf_counter())]
@@ -170,10 +169,7 @@ def bytes_per_step(bucket_cap_mb: float = 0.25) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp, counted = DistributedDataParallel(make_gpt().to(device()), bucket_cap_mb), {"sent": 0}
     ddp.register_comm_hook(counted, counted_ring_allreduce)
-    idx, targets = (
-        t[rank * BATCH : (rank + 1) * BATCH].to(device()) for t in global_batch(0, world)
-    )
-    ddp(idx, targets)[1].backward()
+    ddp(*my_share(0))[1].backward()
     numels = [b.buffer().numel() for b in ddp.buckets]
     return {
         "rank": rank,
@@ -192,10 +188,7 @@ def bucket_sweep(caps_mb: list[float], rounds: int = 5) -> dict | None:
     communication (``"compute only"``), timed in turns, round by round
     (:func:`~labsupport.measure.timing.side_by_side`). Rank 0 returns median seconds per
     case and each one's median ratio to the compute-only step of the same round."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    idx, targets = (
-        t[rank * BATCH : (rank + 1) * BATCH].to(device()) for t in global_batch(0, world)
-    )
+    rank, (idx, targets) = dist.get_rank(), my_share(0)
 
     def step_of(module, parameters):
         optimizer = torch.optim.SGD(parameters, lr=LR)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from labsupport.labs.lab10_data_parallel import BATCH, LR, global_batch, make_gpt
+from labsupport.labs.lab10_data_parallel import LR, make_gpt, my_share
 from labsupport.launch.runtime import device
 from labsupport.parallel.data_parallel import DistributedDataParallel
 
@@ -65,8 +65,6 @@ def hooked_training(steps: int = STEPS) -> dict:
     different orders on different ranks). Returns, per ``(hook, "ours" | "torch")``, the
     bytes and dtypes all-reduced at each step and the parameters after, or the error
     PyTorch's DDP refused the hook with."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = slice(rank * BATCH, (rank + 1) * BATCH)
     out = {}
     for name, make in HOOKS.items():
         for kind, cls in (
@@ -82,7 +80,7 @@ def hooked_training(steps: int = STEPS) -> dict:
                 continue
             optimizer, sent = torch.optim.SGD(model.parameters(), lr=LR), []
             for step in range(steps):
-                idx, targets = (t[mine].to(device()) for t in global_batch(step, world))
+                idx, targets = my_share(step)
                 optimizer.zero_grad()
                 with count_all_reduces() as calls:
                     ddp(idx, targets)[1].backward()
@@ -151,8 +149,6 @@ def gradient_storage() -> dict:
     views, the gradients live in DDP's buckets (from the second step on: the first
     rebuilds the buckets); otherwise each ``.grad`` is a tensor of its own, and the buckets
     hold a second copy of the gradients."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = slice(rank * BATCH, (rank + 1) * BATCH)
     out = {}
     for as_view in (False, True):
         model = make_gpt().to(device())
@@ -161,7 +157,7 @@ def gradient_storage() -> dict:
         )
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         for step in range(2):
-            idx, targets = (t[mine].to(device()) for t in global_batch(step, world))
+            idx, targets = my_share(step)
             optimizer.zero_grad(set_to_none=False)
             ddp(idx, targets)[1].backward()
             optimizer.step()

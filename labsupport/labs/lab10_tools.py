@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from labsupport.labs.cells import exercise
-from labsupport.labs.lab10_data_parallel import BATCH, LR, global_batch, make_gpt
+from labsupport.labs.lab10_data_parallel import BATCH, LR, global_batch, make_gpt, my_share
 from labsupport.launch.launcher import launch
 from labsupport.launch.runtime import device
 from labsupport.parallel.data_parallel import all_reduce_gradients, make_buckets
@@ -144,16 +144,12 @@ def average_or_sum(op: str, lr: float, steps: int = 2, optimizer: str = "sgd") -
     with the gradients all-reduced and averaged (``op="mean"``) or only summed
     (``op="sum"``). Returns the parameters after, and each step's gradient norm (what
     ``clip_grad_norm_`` would compare with its threshold)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make_gpt().to(device())
     kind = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
     optimizer, norms = kind(model.parameters(), lr=lr), []
     for step in range(steps):
-        idx, targets = (
-            t[rank * BATCH : (rank + 1) * BATCH].to(device()) for t in global_batch(step, world)
-        )
         optimizer.zero_grad()
-        model(idx, targets)[1].backward()
+        model(*my_share(step))[1].backward()
         if op == "mean":
             all_reduce_gradients(model)
         else:

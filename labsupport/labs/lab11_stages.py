@@ -18,7 +18,7 @@ import time
 import torch
 
 from labsupport.measure.memory import saved_tensors
-from labsupport.models import GPT, GPTConfig, random_tokens
+from labsupport.models import GPT, random_tokens, tiny_gpt
 
 #: The lab's GPT: 8 blocks (2 per stage on 4 ranks, 1 per chunk when interleaved with
 #: v = 2), attention written out so that what autograd keeps is plain to count, and no
@@ -68,8 +68,7 @@ def build(forward_s: float = 0.0, backward_s: float = 0.0, seed: int = 0) -> GPT
     each block also waits ``forward_s`` seconds in the forward pass and ``backward_s`` in
     the backward pass (:class:`Wait`), half of it for its input's gradient, half for its
     weights'."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(**LAB_GPT))
+    model = tiny_gpt(seed, **LAB_GPT)
     if forward_s or backward_s:
         for block in model.h:
             block.register_forward_hook(Wait.hook(forward_s, backward_s / 2))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from labsupport.comm import traced
 from labsupport.estimate.memory import activation_memory
 from labsupport.measure.memory import saved_tensors
-from labsupport.models import GPT, GPTConfig
+from labsupport.models import tiny_gpt
 from labsupport.parallel.tensor_parallel import ColumnParallelLinear
 from labsupport.parallel.tensor_parallel_model import ParallelBlock
 
@@ -106,9 +106,8 @@ def saved_bytes(sizes=(1, 2, 4), regather: bool = False) -> list[dict]:
     tensor-parallel size in ``sizes`` (groups of consecutive ranks), without and with
     sequence parallelism (run on every rank of a world whose size ``sizes`` divide)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = GPTConfig(**MEMORY_GPT)
-    torch.manual_seed(0)
-    dense = GPT(config).h[0]
+    gpt = tiny_gpt(0, **MEMORY_GPT)
+    config, dense = gpt.config, gpt.h[0]
     rows = []
     for t in sizes:
         groups = [dist.new_group(list(range(g, g + t))) for g in range(0, world, t)]

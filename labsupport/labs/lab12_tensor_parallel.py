@@ -21,7 +21,7 @@ from labsupport.comm import traced
 from labsupport.estimate.memory import activation_memory
 from labsupport.labs.cells import exercise, number
 from labsupport.launch.runtime import device
-from labsupport.models import GPT, GPTConfig, random_tokens
+from labsupport.models import random_tokens, tiny_gpt
 from labsupport.parallel import tensor_parallel_model as tpm
 from labsupport.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -86,9 +86,8 @@ def compare_block(sequence_parallel: bool = False, part: str = "block") -> dict:
     collectives of the forward and of the backward pass. ``part`` is ``"block"``,
     ``"mlp"`` or ``"attention"`` (the whole block, or only one of its halves)."""
     t, rank = dist.get_world_size(), dist.get_rank()
-    config = GPTConfig(**BLOCK_GPT)
-    torch.manual_seed(0)
-    dense = GPT(config).h[0]
+    gpt = tiny_gpt(0, **BLOCK_GPT)
+    config, dense = gpt.config, gpt.h[0]
     block = tpm.ParallelBlock(dense, config, sequence_parallel=sequence_parallel)
     run_dense, run_parallel = _halves(dense, block, part)
     x = torch.randn(
@@ -169,10 +168,8 @@ def gpt_losses(vocab: int) -> dict:
     """The loss of the whole course GPT, dense and tensor-parallel (vocabulary split and
     padded to a multiple of ``t``; the logits never gathered), on every rank."""
     t = dist.get_world_size()
-    config = GPTConfig(**(BLOCK_GPT | {"vocab_size": vocab}))
-    torch.manual_seed(0)
-    dense = GPT(config)
-    idx, targets = random_tokens(BATCH, config.block_size, vocab, seed=3)
+    dense = tiny_gpt(0, **(BLOCK_GPT | {"vocab_size": vocab}))
+    idx, targets = random_tokens(BATCH, dense.config.block_size, vocab, seed=3)
     model = tpm.ParallelGPT(dense)
     return {
         "rank": dist.get_rank(),

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from labsupport.comm.metrics import mean_over_ranks
 from labsupport.labs.lab14_zero import LAB_GPT, LR, STEPS, build, cpu_params, my_share
 from labsupport.launch.runtime import device
-from labsupport.models import GPT, GPTConfig
+from labsupport.models import tiny_gpt
 from labsupport.parallel.zero import ZeRO
 
 #: HSDP's mesh on 4 ranks: 2 groups of 2 (on a cluster: the GPUs of a node shard, the
@@ -129,8 +129,7 @@ def zero3_prefetch(ks=(0, 1, 2), layers: int = 4) -> dict:
     unit's padded bytes (the blocks, then the root), the loss and the parameters."""
     out = {}
     for k in ks:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**{**LAB_GPT, "n_layer": layers})).to(device())
+        model = tiny_gpt(0, **(LAB_GPT | {"n_layer": layers})).to(device())
         zero = ZeRO(model, 3, prefetch=k, lr=LR)
         loss = model(*my_share(0))[1]
         loss.backward()

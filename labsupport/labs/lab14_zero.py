@@ -21,7 +21,7 @@ from labsupport.labs.cells import exercise
 from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.measure.memory import saved_tensors
-from labsupport.models import GPT, GPTConfig, random_tokens
+from labsupport.models import GPT, batch_share, random_tokens, tiny_gpt, train_one_process
 from labsupport.parallel.zero import ZeRO
 
 #: The lab's GPT: 9,522 parameters, a number 4 does not divide (ZeRO pads its buffers).
@@ -41,8 +41,7 @@ LOSS_TOL = 1e-5
 
 def build(seed: int = 0) -> GPT:
     """The lab's GPT, weights drawn from ``seed``, on :func:`labsupport.device`."""
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**LAB_GPT)).to(device())
+    return tiny_gpt(seed, **LAB_GPT).to(device())
 
 
 def global_batch(step: int):
@@ -52,10 +51,8 @@ def global_batch(step: int):
 
 def my_share(step: int):
     """This rank's equal share of step ``step``'s batch, on its device."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    idx, targets = global_batch(step)
-    part = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    return idx[part].to(device()), targets[part].to(device())
+    mine = batch_share(BATCH, dist.get_rank(), dist.get_world_size())
+    return tuple(t[mine].to(device()) for t in global_batch(step))
 
 
 def param_mismatches(got: dict, want: dict) -> list[str]:
@@ -85,14 +82,7 @@ def plain_adam(steps: int = STEPS) -> dict:
     """The reference: one process, the whole batch, ``torch.optim.Adam``."""
     model = build()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        idx, targets = global_batch(step)
-        opt.zero_grad()
-        loss = model(idx.to(device()), targets.to(device()))[1]
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_one_process(model, opt, (global_batch(step) for step in range(steps)))
     return {"losses": losses, "params": cpu_params(model)}
 
 
@@ -188,8 +178,8 @@ def traffic_rows(runs: dict, world: int) -> list[dict]:
 def states_and_activations(batches=(1, 8, 32), world: int = 4, config=None) -> list[dict]:
     """Per rank: the model states under each ZeRO stage (formula, fp32 Adam) and the
     activations one micro-batch saves for backward (measured), which no stage shards."""
-    torch.manual_seed(0)  # attention written out: the same saved tensors on every CPU
-    model = GPT(GPTConfig(**(config or LAB_GPT | {"attention": "math"})))
+    # attention written out: the same saved tensors on every CPU
+    model = tiny_gpt(0, **(config or LAB_GPT | {"attention": "math"}))
     c, numel = model.config, sum(p.numel() for p in model.parameters())
     rows = []
     for b in batches:

@@ -24,7 +24,7 @@ from labsupport.comm.metrics import mean_over_ranks
 from labsupport.labs.cells import exercise
 from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
-from labsupport.models import random_tokens, tiny_gpt
+from labsupport.models import batch_share, random_tokens, tiny_gpt
 from labsupport.parallel.deepspeed_setup import cpu_accelerator, use_deepspeed_accelerator
 from labsupport.parallel.zero import ZeRO
 
@@ -103,10 +103,8 @@ def live_tensor_bytes() -> int:
 
 def _batch(step: int):
     """This rank's part of step ``step``'s global batch, on its device."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    idx, targets = random_tokens(BATCH, SEQ, VOCAB, seed=step)
-    part = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    return idx[part].to(device()), targets[part].to(device())
+    mine = batch_share(BATCH, dist.get_rank(), dist.get_world_size())
+    return tuple(t[mine].to(device()) for t in random_tokens(BATCH, SEQ, VOCAB, seed=step))
 
 
 def train_deepspeed(config: dict, steps: int = STEPS) -> dict:

@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from labsupport.estimate import reliability
 from labsupport.labs.cells import exercise
 from labsupport.launch.runtime import device
-from labsupport.models import random_tokens, tiny_gpt
+from labsupport.models import batch_share, random_tokens, tiny_gpt
 from labsupport.parallel import checkpoint as ck
 from labsupport.parallel.zero import ZeRO
 
@@ -50,11 +50,11 @@ def learning_rate(step: int, steps: int = STEPS) -> float:
 def batch(step: int):
     """This rank's part of step ``step``'s batch: the data set is read in an order
     shuffled anew each epoch (seeded by the epoch), so the step fixes the position."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     tokens, targets = random_tokens(DATASET, SEQ, VOCAB, seed=1234)
     epoch, i = divmod(step, DATASET // BATCH)
     order = torch.randperm(DATASET, generator=torch.Generator().manual_seed(epoch))
-    mine = order[i * BATCH : (i + 1) * BATCH][rank * BATCH // world : (rank + 1) * BATCH // world]
+    share = batch_share(BATCH, dist.get_rank(), dist.get_world_size())
+    mine = order[i * BATCH : (i + 1) * BATCH][share]
     return tokens[mine].to(device()), targets[mine].to(device())
 
 

@@ -21,7 +21,7 @@ from labsupport.comm import p2p, traced
 from labsupport.estimate import context_parallel as est
 from labsupport.launch.runtime import device
 from labsupport.measure.memory import SavedBytes
-from labsupport.models import GPT, GPTConfig, random_tokens
+from labsupport.models import random_tokens, tiny_gpt
 from labsupport.parallel import context_parallel as cp
 from labsupport.parallel import context_parallel_model as cpm
 from labsupport.parallel import context_parallel_variants as cpv
@@ -212,8 +212,7 @@ def activations_per_rank() -> list[dict]:
         group = dist.new_group(list(range(size)))
         if rank >= size:
             continue
-        torch.manual_seed(0)
-        model = cpm.ContextParallelGPT(GPT(GPTConfig(**CONFIG)).to(device()), group)
+        model = cpm.ContextParallelGPT(tiny_gpt(0, **CONFIG).to(device()), group)
         mine = [cp.shard_sequence(t.to(device()), 1, group) for t in (idx, targets)]
         saved = SavedBytes(exclude=model)
         handles = saved.watch(model.gpt.h)

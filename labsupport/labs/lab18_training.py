@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from labsupport.launch.runtime import device
-from labsupport.models import GPT, GPTConfig, MoEConfig, random_tokens
+from labsupport.models import GPT, MoEConfig, batch_share, random_tokens, tiny_gpt
 from labsupport.models import moe as moe_model
 from labsupport.parallel import expert_parallel as xp
 
@@ -32,14 +32,13 @@ BALANCE_SEQUENCES = 8
 
 def build(moe: MoEConfig = MOE, seed: int = 0) -> GPT:
     """The lab's MoE GPT, the same weights for a ``seed`` on every rank."""
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**LAB_GPT, moe=moe))
+    return tiny_gpt(seed, **LAB_GPT, moe=moe)
 
 
 def batch(step: int, share: int, ranks: int = RANKS):
     """Rank ``share``'s sequences of the step's batch (``ranks`` shares): ``(idx, targets)``."""
     idx, targets = random_tokens(SHARE * ranks, LAB_GPT["block_size"], LAB_GPT["vocab_size"], step)
-    mine = slice(share * SHARE, (share + 1) * SHARE)
+    mine = batch_share(SHARE * ranks, share, ranks)
     return idx[mine], targets[mine]
 
 

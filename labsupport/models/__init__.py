@@ -3,14 +3,17 @@
 * :mod:`~labsupport.models.gpt`: the course's one GPT (nanoGPT's GPT-2);
 * :mod:`~labsupport.models.mlp`: an MLP, and the residual MLP stack of chapter 4;
 * :mod:`~labsupport.models.cnn`: a LeNet-style CNN;
-* :mod:`~labsupport.models.data`: random tokens and regression data from a seed;
+* :mod:`~labsupport.models.data`: random tokens and regression data from a seed, and a
+  data-parallel rank's share of a batch;
+* :mod:`~labsupport.models.reference`: the one-process training loop every parallel run
+  is checked against;
 * :mod:`~labsupport.models.moe`: a mixture-of-experts FFN (router, experts, balancing).
 * :mod:`~labsupport.models.fp8`: FP8 quantization (per tensor, per block, delayed) and the
   scaled matmul a linear layer trained in FP8 computes.
 """
 
 from labsupport.models.cnn import SmallCNN
-from labsupport.models.data import random_tokens, regression_data
+from labsupport.models.data import batch_share, random_tokens, regression_data
 from labsupport.models.gpt import (
     GPT,
     GPT2_LARGE,
@@ -22,6 +25,7 @@ from labsupport.models.gpt import (
 )
 from labsupport.models.mlp import MLP, MLPStack
 from labsupport.models.moe import MoE, MoEConfig
+from labsupport.models.reference import gpt_loss, mse_loss, train_one_process
 
 __all__ = [
     "GPT",
@@ -35,7 +39,11 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "SmallCNN",
+    "batch_share",
+    "gpt_loss",
+    "mse_loss",
     "random_tokens",
     "regression_data",
     "tiny_gpt",
+    "train_one_process",
 ]

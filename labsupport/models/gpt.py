@@ -228,7 +228,9 @@ def tiny_gpt(seed: int = 0, **overrides) -> GPT:
     """A GPT small enough to train on a laptop core: 2 layers, d = 64, 256 tokens.
 
     The weights depend only on ``seed`` (and the shape), so every rank that builds it
-    with the same seed holds the same model.
+    with the same seed holds the same model. ``overrides`` are :class:`GPTConfig` fields:
+    a lab builds its own GPT as ``tiny_gpt(seed, **LAB_GPT)``, a dict that gives the
+    whole shape, and gets exactly what ``torch.manual_seed(seed)`` then ``GPT(...)`` gives.
     """
     torch.manual_seed(seed)
     fields = {"vocab_size": 256, "block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64}

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from labsupport.launch.runtime import device
-from labsupport.models import GPT, GPTConfig, random_tokens
+from labsupport.models import GPT, GPTConfig, random_tokens, train_one_process
 from labsupport.parallel import pipeline_parallel, schedules
 from labsupport.parallel.parallel_state import Mesh
 from labsupport.parallel.tensor_parallel import vocab_parallel_cross_entropy
@@ -117,12 +117,4 @@ def train_single(config: dict, steps: int, batch: int, lr: float = 1e-3, seed: i
     torch.manual_seed(seed)
     model = GPT(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        idx, targets = global_batch(step, batch, cfg)
-        loss = model(idx, targets)[1]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train_one_process(model, opt, (global_batch(step, batch, cfg) for step in range(steps)))
