@@ -19,7 +19,7 @@ from torch.distributed import ReduceOp
 
 from labsupport import LaunchError, comm, launch
 from labsupport.comm import collectives as C
-from labsupport.comm import cost, measure, traced
+from labsupport.comm import cost, flat, measure, traced
 from labsupport.comm.allreduce import ALGORITHMS, bytes_sent
 from labsupport.comm.p2p import Group, exchange, exchange_many
 from labsupport.estimate import datasheets
@@ -284,6 +284,15 @@ def test_one_rank_sends_nothing_and_the_ring_count_is_exact_for_uneven_chunks():
     assert bytes_sent("ring", 1001, 4, 4, 1) == 4 * (751 + 751)
     with pytest.raises(ValueError, match="power-of-two"):
         bytes_sent("halving_doubling", 1000, 4, 3, 0)
+
+
+@pytest.mark.parametrize(("n", "parts"), [(12, 4), (1001, 4), (7, 3), (2, 5), (0, 3)])
+def test_even_spans_cut_as_tensor_split_does_and_spans_lie_end_to_end(n, parts):
+    got = flat.even_spans(n, parts)
+    assert [s.stop - s.start for s in got] == [len(t) for t in torch.arange(n).tensor_split(parts)]
+    assert [s.start for s in got] == [0] + [s.stop for s in got[:-1]] and got[-1].stop == n
+    assert flat.spans([3, 0, 2]) == [slice(0, 3), slice(3, 3), slice(3, 5)]
+    assert flat.spans([]) == []
 
 
 # --------------------------------------------------------------------------- cost models

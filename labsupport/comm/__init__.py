@@ -5,7 +5,9 @@
   reduce-scatter and all-to-all, from point-to-point messages;
 * :mod:`~labsupport.comm.allreduce`: all-reduce five ways, and the bytes each sends;
 * :mod:`~labsupport.comm.cost`: the alpha-beta model and the cost of each collective;
-* :mod:`~labsupport.comm.measure`: ping-pong and all-reduce timings on real ranks.
+* :mod:`~labsupport.comm.measure`: ping-pong and all-reduce timings on real ranks;
+* :mod:`~labsupport.comm.flat`: where each piece lies in a flat buffer (buckets, shards,
+  chunks).
 """
 
 from labsupport.comm.allreduce import all_reduce

@@ -30,6 +30,8 @@ from labsupport.comm.collectives import (
     ring_all_gather,
     ring_reduce_scatter,
 )
+from labsupport.comm.flat import even_spans as _split_slices  # bytes_sent's name (lab 8 shows it)
+from labsupport.comm.flat import spans
 from labsupport.comm.p2p import Group, exchange, exchange_many
 
 ALGORITHMS = ("ring", "naive", "ps", "tree", "halving_doubling")
@@ -124,10 +126,8 @@ def _halving_doubling(g: Group, flat: torch.Tensor, combine) -> None:
 
 
 def _unpack(values: torch.Tensor, chunks: list[torch.Tensor], lo: int, hi: int) -> None:
-    offset = 0
-    for chunk in chunks[lo:hi]:
-        chunk.copy_(values[offset : offset + chunk.numel()])
-        offset += chunk.numel()
+    for chunk, part in zip(chunks[lo:hi], spans(c.numel() for c in chunks[lo:hi]), strict=True):
+        chunk.copy_(values[part])
 
 
 # --------------------------------------------------------------------------- theory
@@ -164,17 +164,6 @@ def bytes_sent(algorithm: str, numel: int, element_size: int, world_size: int, r
     else:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {algorithm!r}")
     return count * element_size
-
-
-def _split_slices(numel: int, parts: int) -> list[slice]:
-    """The slices ``tensor_split`` makes: the first ``numel % parts`` get one extra."""
-    base, extra = divmod(numel, parts)
-    slices, start = [], 0
-    for i in range(parts):
-        size = base + (i < extra)
-        slices.append(slice(start, start + size))
-        start += size
-    return slices
 
 
 def _halving_doubling_elements(sizes: list[int], rank: int) -> int:

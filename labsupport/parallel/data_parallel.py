@@ -21,7 +21,6 @@ backward (torch raises at the next forward). Collectives go through ``comm.trace
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from labsupport.comm import traced
+from labsupport.comm.flat import spans
 
 #: torch's defaults: ``bucket_cap_mb=None`` is 25 MiB with the first bucket (the first
 #: parameters registered) capped at 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``).
@@ -83,8 +83,8 @@ class Bucket:
 
     def __init__(self, index: int, params: list[nn.Parameter], last: bool):
         self._index, self.params, self._last = index, params, last
-        ends = itertools.accumulate(p.numel() for p in params)
-        self.slices = {id(p): slice(e - p.numel(), e) for p, e in zip(params, ends, strict=True)}
+        places = spans(p.numel() for p in params)
+        self.slices = {id(p): s for p, s in zip(params, places, strict=True)}
         numel = self.slices[id(params[-1])].stop
         self.grad_data = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         self.reset()

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from labsupport.comm.flat import even_spans
 from labsupport.comm.p2p import Group, isend
 from labsupport.launch.runtime import device
 
@@ -74,22 +75,13 @@ def train(
     control = dist.new_group(backend="gloo")  # every rank takes part in creating it
     model = make_model().to(device())
     flat = parameters_to_vector(model.parameters()).detach()
-    bounds = _shard_bounds(flat.numel(), servers)
+    bounds = [(s.start, s.stop) for s in even_spans(flat.numel(), servers)]
     start = time.perf_counter()
     if dist.get_rank() < servers:
         return _serve(
             flat, bounds, world - servers, servers, steps, mode, lr, staleness_bound, control, start
         )
     return _work(model, flat, bounds, batch, loss_fn, steps, servers, straggler, control)
-
-
-def _shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
-    sizes = [len(part) for part in torch.arange(numel).tensor_split(servers)]
-    bounds, start = [], 0
-    for size in sizes:
-        bounds.append((start, start + size))
-        start += size
-    return bounds
 
 
 def _serve(flat, bounds, workers, servers, steps, mode, lr, bound, control, start):

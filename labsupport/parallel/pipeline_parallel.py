@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from labsupport.comm.flat import even_spans
 from labsupport.comm.p2p import Group, post_many
 from labsupport.launch.runtime import device
 from labsupport.models import GPT
@@ -105,12 +106,7 @@ def partition(layers: int, stages: int) -> list[range]:
             f"{stages} pipeline stages for {layers} transformer blocks: every stage needs at "
             "least one block; use fewer stages (p * v) or a deeper model"
         )
-    sizes = [len(part) for part in torch.arange(layers).tensor_split(stages)]
-    bounds, start = [], 0
-    for size in sizes:
-        bounds.append(range(start, start + size))
-        start += size
-    return bounds
+    return [range(s.start, s.stop) for s in even_spans(layers, stages)]
 
 
 def stage_modules(gpt, p: int, rank: int, v: int = 1, style: str = "loop") -> dict[int, Stage]:
