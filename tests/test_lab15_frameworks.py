@@ -110,15 +110,21 @@ def test_deepspeed_trains_like_the_course_zero_on_two_ranks():
     print(f"2 ranks, 2 runs of each engine: {time.perf_counter() - start:.1f} s")
 
 
-def test_deepspeeds_op_needs_building_until_torchs_extension_folder_has_it(monkeypatch, tmp_path):
-    from torch.utils.cpp_extension import _get_build_directory
+def test_deepspeeds_op_needs_building_until_this_installation_built_it(monkeypatch, tmp_path):
+    import deepspeed
+    from torch.utils.cpp_extension import _get_build_directory, include_paths
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # a machine that never built it
     with cpu_accelerator():
         assert shm_comm_needs_building()
         folder = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
         assert folder.is_relative_to(tmp_path)
-        (folder / "deepspeed_shm_comm.so").touch()  # as an earlier run leaves it
+        (folder / "deepspeed_shm_comm.so").touch()  # as an earlier build leaves it
+        elsewhere = "-I/elsewhere/deepspeed/ops/csrc -isystem /elsewhere/torch/include"
+        (folder / "build.ninja").write_text(f"cflags = {elsewhere}\n")
+        assert shm_comm_needs_building(), "ninja rebuilds what another installation built"
+        here = f"-I{Path(deepspeed.__file__).parent}/ops/csrc -isystem {include_paths()[0]}"
+        (folder / "build.ninja").write_text(f"cflags = {here}\n")
         assert not shm_comm_needs_building()
 
 
