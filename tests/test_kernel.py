@@ -227,7 +227,7 @@ def empty_boxes(outputs) -> list:
 
 
 def test_a_stored_launch_cell_keeps_the_rank_ordered_record_and_no_empty_box(tmp_path):
-    """What nbclient (``tools.execute``, Jupyter Book) stores of a cell with two launches:
+    """What nbclient (``tools.execute``, Jupyter Book) stores of a cell with three launches:
     the lines printed around them, each launch's record in rank order, nothing that shows
     as an empty box; and nbval, run on it, finds the same outputs again."""
     source = (
@@ -240,6 +240,7 @@ def test_a_stored_launch_cell_keeps_the_rank_ordered_record_and_no_empty_box(tmp
         "print('before')\n"
         "launch(lines, 3, args=(2,))\n"
         "launch(lines, 2, args=(1,))\n"
+        "launch(lines, 1, args=(1,))\n"
         "print('after')\n"
     )
     nb = new_notebook(cells=[new_code_cell(source)])
@@ -254,6 +255,7 @@ def test_a_stored_launch_cell_keeps_the_rank_ordered_record_and_no_empty_box(tmp
         + "".join(f"[rank {r}] line {i} of rank {r}\n" for r in range(3) for i in range(2))
         + "(output of the 2 ranks, in rank order)\n"
         + "".join(f"[rank {r}] line 0 of rank {r}\n" for r in range(2))
+        + "(output of the 1 rank)\n[rank 0] line 0 of rank 0\n"
         + "after\n"
     )
     path = tmp_path / "stored.ipynb"

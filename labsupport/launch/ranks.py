@@ -249,7 +249,8 @@ class LiveView:
         out = [f"[rank {r.rank}] {line}\n" for r in ranks for line in r.lines["stdout"]]
         err = [f"[rank {r.rank}] {line}\n" for r in ranks for line in r.lines["stderr"]]
         if out or err:
-            sys.stdout.write(f"(output of the {len(ranks)} ranks, in rank order)\n")
+            whose = f"{len(ranks)} ranks, in rank order" if len(ranks) > 1 else "1 rank"
+            sys.stdout.write(f"(output of the {whose})\n")
         for lines, file in ((out, sys.stdout), (err, sys.stderr)):
             if lines:
                 file.write("".join(lines))
