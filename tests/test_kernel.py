@@ -6,6 +6,7 @@ import queue
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import nbformat
 import psutil
@@ -263,3 +264,47 @@ def test_a_stored_launch_cell_keeps_the_rank_ordered_record_and_no_empty_box(tmp
     nbval = [sys.executable, "-m", "pytest", "--nbval", path.name, "-p", "no:cacheprovider", "-q"]
     out = subprocess.run(nbval, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_interrupting_emulated_nodes_stops_them_all_and_says_so_in_one_line(kernel):
+    """Kernel > Interrupt signals the kernel's whole process group, the torchrun agent
+    with it; the workers, in sessions of their own, must be stopped too."""
+    manager, client = kernel
+    kernel_process = psutil.Process(manager.provisioner.process.pid)
+    tests = str(Path(__file__).parent)
+    msg_id = client.execute(
+        "import os\n"
+        "from labsupport.launch.nodes import torchrun_nodes\n"
+        f"os.environ['PYTHONPATH'] = {tests!r} + os.pathsep + os.environ.get('PYTHONPATH', '')\n"
+        "torchrun_nodes('test_run:hold_and_say_where_the_store_is', 1, 2, 300, "
+        "args=('seconds=600',))\n"
+    )
+    deadline, below = time.monotonic() + 120, []
+    while time.monotonic() < deadline:  # the agent and its 2 workers name the target
+        below = kernel_process.children(recursive=True)
+        named = [p for p in below if "test_run:hold" in " ".join(_cmdline(p))]
+        if len(named) >= 3:
+            break
+        time.sleep(0.1)
+    assert len(named) >= 3, "the node and its workers never started"
+    manager.interrupt_kernel()
+    reply = client.get_shell_msg(timeout=60)
+    while reply["parent_header"]["msg_id"] != msg_id:  # an earlier cell's late reply
+        reply = client.get_shell_msg(timeout=60)
+    assert reply["content"]["ename"] == "LaunchInterrupted"
+    assert reply["content"]["evalue"] == (
+        "interrupted; the node and every process it started were stopped."
+    )
+    assert len(reply["content"]["traceback"]) == 1
+    gone, alive = psutil.wait_procs(named, timeout=5)
+    assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    with pytest.raises(queue.Empty):  # drain
+        while True:
+            client.get_iopub_msg(timeout=0.5)
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
