@@ -160,7 +160,7 @@ class RankProcess:
 class LiveView:
     """Output of ranks (or of nodes), live while they run and rank-ordered when they end.
 
-    In a terminal, each line is printed as it arrives, prefixed with its rank. In a
+    In a terminal, each line is printed as it arrives, prefixed with its rank (node). In a
     Jupyter kernel, a display area says what is happening ("starting 4 ranks") and then
     shows each rank's progress bar or status (:mod:`labsupport.launch.progress`) and the
     lines as they arrive, in plain text like the cell's own output. When the launch
