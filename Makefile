@@ -88,10 +88,21 @@ test: lint unit nbval nbval-portable book browser
 
 # JupyterLab on the repository, opening the labs: a lab's links to its chapter work. It
 # listens on 127.0.0.1 only and asks for its token (printed in the link it opens): a
-# kernel runs any code it is sent, so nothing on the network may reach it.
+# kernel runs any code it is sent, so nothing on the network may reach it. Its kernels
+# talk to it over Unix sockets in its runtime folder (IPC), which only this user can
+# open, rather than over TCP ports. It neither asks to fetch Jupyter's news nor checks
+# for updates: the settings' defaults say no (a learner may still turn them on), and the
+# server has no news feed and no update check to call.
+LAB_CONFIG := _build/jupyterlab-config
 lab: $(STAMP)
+	mkdir -p $(LAB_CONFIG)/labconfig
+	echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' \
+		> $(LAB_CONFIG)/labconfig/default_setting_overrides.json
+	JUPYTER_CONFIG_PATH="$(CURDIR)/$(LAB_CONFIG)$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}" \
 	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. \
-		--LabApp.default_url=/lab/tree/labs $$([ "$$(id -u)" = 0 ] && echo --allow-root)
+		--LabApp.default_url=/lab/tree/labs --KernelManager.transport=ipc \
+		--LabApp.news_url=None --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate \
+		$$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 execute: $(STAMP)
 	$(PY) -m tools.execute $(LABS)

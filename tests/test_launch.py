@@ -326,6 +326,36 @@ def test_a_process_that_escapes_the_rank_does_not_hold_the_launch():
                 os.kill(pid, signal.SIGKILL)
 
 
+def busy_then_count(steps: int) -> int:
+    from labsupport.launch.progress import progress, status
+
+    if dist.get_rank() == 0:
+        status("building   the\n extension")  # one line, whatever it is given
+    return sum(1 for _ in progress(range(steps), "count"))
+
+
+def test_a_rank_status_and_finished_bars_are_shown_in_a_terminal(capsys):
+    assert launch(busy_then_count, 2, args=(3,)) == [3, 3]
+    out = capsys.readouterr().out.splitlines()
+    assert "[rank 0] building the extension" in out
+    assert not any(line.startswith("[rank 1] building") for line in out)
+    for rank in range(2):
+        assert f"[rank {rank}] count |{'#' * 24}| 3/3" in out
+    assert not any("\x1e" in line for line in out)
+
+
+def test_outside_a_launch_a_status_is_printed_on_local_rank_0_only(monkeypatch, capsys):
+    from labsupport.launch.progress import status
+
+    monkeypatch.delenv("LABSUPPORT_LIVE", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    status("building")
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    status("building")
+    assert capsys.readouterr().out == "building\n"
+
+
 def test_warm_up_starts_the_forkserver_ahead_of_the_first_launch():
     warm_up()
     assert multiprocessing.forkserver._forkserver._forkserver_pid is not None
