@@ -246,8 +246,12 @@ def test_a_stored_launch_cell_keeps_the_rank_ordered_record_and_no_empty_box(tmp
     )
     nb = new_notebook(cells=[new_code_cell(source)])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
-    client = NotebookClient(nb, km=kernel_manager(tmp_path), timeout=300, record_timing=False)
-    client.execute()
+    manager = kernel_manager(tmp_path)
+    client = NotebookClient(nb, km=manager, timeout=300, record_timing=False)
+    try:
+        client.execute()
+    finally:  # nbclient leaves running a kernel it was given (it shuts down its own only)
+        manager.shutdown_kernel(now=True)
     outputs = nb.cells[0].outputs
     assert empty_boxes(outputs) == []
     stdout = "".join(o["text"] for o in outputs if o["output_type"] == "stream")

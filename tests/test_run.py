@@ -94,16 +94,18 @@ def test_deepspeed_launcher_nodes_listen_on_the_loopback_interface_only(monkeypa
 @contextlib.contextmanager
 def interrupted_once(ready, timeout: float = 180):
     """Send this process SIGINT, as Ctrl-C or Kernel > Interrupt would, once ``ready()``
-    holds; yield the processes below this one at that moment."""
+    holds; yield the processes below this one at that moment that were not there before
+    (an earlier test's launch leaves its forkserver running, as it should)."""
     # A shell starts background jobs with SIGINT ignored (see test_launch's interrupt test);
     # Jupyter's kernel, like an interactive Python, raises KeyboardInterrupt.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     below: list[psutil.Process] = []
+    there_before = set(psutil.Process().children(recursive=True))
 
     def interrupt():
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = psutil.Process().children(recursive=True)
+            found = [p for p in psutil.Process().children(recursive=True) if p not in there_before]
             if ready(found):
                 below.extend(found)
                 os.kill(os.getpid(), signal.SIGINT)
