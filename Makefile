@@ -58,7 +58,7 @@ test-home:
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check labsupport tests bench tools labs
-	$(VENV)/bin/ruff format --check labsupport tests bench tools
+	$(VENV)/bin/ruff format --check labsupport tests bench tools labs
 
 unit: test-home $(STAMP)
 	$(PY) -m pytest tests --ignore=tests/browser -q
