@@ -47,8 +47,9 @@ def test_the_planners_tables():
     assert steps == sorted(steps)
     explorer = lab.explorer()
     assert explorer.describe() == format_table(
-        lab.plan_rows("BLOOM-176B", "Jean Zay (BLOOM)", 2048, top=8)
+        lab.plan_rows("GPT-3 175B", "Selene, 1,536 GPUs", 1536, top=8)
     )
+    assert max(len(line) for line in explorer.describe().splitlines()) <= 80
     assert "live widget" in repr(explorer)
 
 

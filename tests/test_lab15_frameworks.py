@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import os
 import time
+from pathlib import Path
 
 import pytest
 from notebook_solutions import solution, stub
@@ -16,7 +17,11 @@ from labsupport import launch
 from labsupport.labs import lab15_frameworks as lab
 from labsupport.labs import lab15_launcher as launcher
 from labsupport.labs import lab15_megatron as megatron
-from labsupport.parallel.deepspeed_setup import cpu_accelerator
+from labsupport.parallel.deepspeed_setup import (
+    BUILDING_SHM_COMM,
+    cpu_accelerator,
+    shm_comm_needs_building,
+)
 
 LAB = "15-frameworks.ipynb"
 
@@ -103,6 +108,32 @@ def test_deepspeed_trains_like_the_course_zero_on_two_ranks():
     assert rows[1]["deepspeed"]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3(Adam)"
     assert rows[1]["course"]["bytes"] < rows[0]["course"]["bytes"]  # ZeRO-3 shards weights
     print(f"2 ranks, 2 runs of each engine: {time.perf_counter() - start:.1f} s")
+
+
+def test_deepspeeds_op_needs_building_until_this_installation_built_it(monkeypatch, tmp_path):
+    import deepspeed
+    from torch.utils.cpp_extension import _get_build_directory, include_paths
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # a machine that never built it
+    with cpu_accelerator():
+        assert shm_comm_needs_building()
+        folder = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
+        assert folder.is_relative_to(tmp_path)
+        (folder / "deepspeed_shm_comm.so").touch()  # as an earlier build leaves it
+        elsewhere = "-I/elsewhere/deepspeed/ops/csrc -isystem /elsewhere/torch/include"
+        (folder / "build.ninja").write_text(f"cflags = {elsewhere}\n")
+        assert shm_comm_needs_building(), "ninja rebuilds what another installation built"
+        here = f"-I{Path(deepspeed.__file__).parent}/ops/csrc -isystem {include_paths()[0]}"
+        (folder / "build.ninja").write_text(f"cflags = {here}\n")
+        assert not shm_comm_needs_building()
+
+
+@pytest.mark.parametrize("needed", [True, False])
+def test_the_op_build_is_announced_before_it_starts_and_only_if_needed(needed, monkeypatch, capsys):
+    monkeypatch.setattr(lab, "shm_comm_needs_building", lambda: needed)
+    built = lab.build_deepspeed_ops()
+    assert built["op"] == "deepspeed_shm_comm"
+    assert capsys.readouterr().out == (f"{BUILDING_SHM_COMM}\n" if needed else "")
 
 
 # -------------------------------------------------------------------- the launchers

@@ -63,6 +63,15 @@ def test_leaving_one_part_out_changes_the_curve_where_it_is_first_used(runs):
     assert not os.path.exists(runs["root"] / "none")  # every=None: no checkpoint written
 
 
+def test_training_shows_its_progress_on_every_rank(tmp_path, capsys):
+    """A bar per rank while it trains; the finished bars stay in the record (printed, in a
+    terminal, as each rank finishes)."""
+    launch(lab.train, 2, args=(str(tmp_path),), kwargs={"steps": 2, "every": None})
+    out = capsys.readouterr().out.splitlines()
+    for rank in range(2):
+        assert f"[rank {rank}] train |{'#' * 24}| 2/2" in out
+
+
 def test_first_difference():
     assert lab.first_difference([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) is None
     assert lab.first_difference([1.0, 2.5, 3.0], [1.0, 2.0, 3.0]) == 1

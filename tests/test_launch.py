@@ -6,12 +6,14 @@ import contextlib
 import json
 import multiprocessing.forkserver
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -201,26 +203,32 @@ def what_launches_leave(launches: int) -> dict:
     return {"before": before, "after": state()}
 
 
-def test_fifty_launches_leak_no_processes_or_file_descriptors(tmp_path):
+def test_fifty_launches_leak_no_processes_or_file_descriptors():
     """Run in a Python of its own whose temporary folder is this test's: what it finds
     there, only its launches made (multiprocessing's ``pymp-*`` folder, anything a rank
-    leaves behind), whatever other programs on the machine do meanwhile."""
+    leaves behind), whatever other programs on the machine do meanwhile. The folder sits
+    directly in the test run's own temporary folder: the forkserver's socket lives in it,
+    and a socket's path may not be longer than 107 bytes (pytest's ``tmp_path`` can be)."""
     code = (
         f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
         "import test_launch\n"
         "print(json.dumps(test_launch.what_launches_leave(50)))\n"
     )
-    env = dict(os.environ, TMPDIR=str(tmp_path))
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr
-    state = json.loads(out.stdout.splitlines()[-1])
-    assert state["after"] == state["before"]
-    assert [name for name in state["before"]["temp"] if name.startswith("pymp-")], state
-    # once that Python has exited, only torch's compile cache (kept on purpose) is left
-    left = [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]
-    assert left == [], "the launcher left files in the temporary folder"
+    folder = Path(tempfile.mkdtemp(prefix="fifty-"))
+    try:
+        env = dict(os.environ, TMPDIR=str(folder))
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr
+        state = json.loads(out.stdout.splitlines()[-1])
+        assert state["after"] == state["before"]
+        assert [name for name in state["before"]["temp"] if name.startswith("pymp-")], state
+        # once that Python has exited, only torch's compile cache (kept on purpose) is left
+        left = [p.name for p in folder.iterdir() if not p.name.startswith("torchinductor_")]
+        assert left == [], "the launcher left files in the temporary folder"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_the_callers_environment_is_untouched_after_success_and_failure():
@@ -324,6 +332,36 @@ def test_a_process_that_escapes_the_rank_does_not_hold_the_launch():
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def busy_then_count(steps: int) -> int:
+    from labsupport.launch.progress import progress, status
+
+    if dist.get_rank() == 0:
+        status("building   the\n extension")  # one line, whatever it is given
+    return sum(1 for _ in progress(range(steps), "count"))
+
+
+def test_a_rank_status_and_finished_bars_are_shown_in_a_terminal(capsys):
+    assert launch(busy_then_count, 2, args=(3,)) == [3, 3]
+    out = capsys.readouterr().out.splitlines()
+    assert "[rank 0] building the extension" in out
+    assert not any(line.startswith("[rank 1] building") for line in out)
+    for rank in range(2):
+        assert f"[rank {rank}] count |{'#' * 24}| 3/3" in out
+    assert not any("\x1e" in line for line in out)
+
+
+def test_outside_a_launch_a_status_is_printed_on_local_rank_0_only(monkeypatch, capsys):
+    from labsupport.launch.progress import status
+
+    monkeypatch.delenv("LABSUPPORT_LIVE", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    status("building")
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    status("building")
+    assert capsys.readouterr().out == "building\n"
 
 
 def test_warm_up_starts_the_forkserver_ahead_of_the_first_launch():

@@ -5,17 +5,22 @@ launcher's nodes do."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
+import psutil
 import pytest
 import torch.distributed as dist
 
 from labsupport import run
 from labsupport.labs import lab06_launching, lab15_launcher
 from labsupport.launch import loopback, nodes
+from labsupport.launch.launcher import LaunchInterrupted
 
 
 def recorded_ports(monkeypatch, module) -> list[int]:
@@ -84,6 +89,111 @@ def test_deepspeed_launcher_nodes_listen_on_the_loopback_interface_only(monkeypa
     assert [line.split(" -> ")[0] for line in lines] == ["[rank 0]", "[rank 1]"]
     assert ports[0] in {port for _, address, port in seen if address == "127.0.0.1"}
     assert loopback.exposed(seen) == set()
+
+
+@contextlib.contextmanager
+def interrupted_once(ready, timeout: float = 180):
+    """Send this process SIGINT, as Ctrl-C or Kernel > Interrupt would, once ``ready()``
+    holds; yield the processes below this one at that moment that were not there before
+    (an earlier test's launch leaves its forkserver running, as it should)."""
+    # A shell starts background jobs with SIGINT ignored (see test_launch's interrupt test);
+    # Jupyter's kernel, like an interactive Python, raises KeyboardInterrupt.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    below: list[psutil.Process] = []
+    there_before = set(psutil.Process().children(recursive=True))
+
+    def interrupt():
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [p for p in psutil.Process().children(recursive=True) if p not in there_before]
+            if ready(found):
+                below.extend(found)
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=interrupt, daemon=True)
+    thread.start()
+    try:
+        yield below
+    finally:
+        thread.join()
+        signal.signal(signal.SIGINT, previous)
+
+
+def running(command_part: str, found: list) -> list[psutil.Process]:
+    alive = []
+    for proc in found:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.status() != psutil.STATUS_ZOMBIE and command_part in " ".join(proc.cmdline()):
+                alive.append(proc)
+    return alive
+
+
+def assert_all_gone(procs: list[psutil.Process]) -> None:
+    deadline = time.monotonic() + 5
+    while running("", procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running("", procs) == []
+
+
+def test_interrupting_torchrun_nodes_stops_every_node_and_worker_in_one_line(monkeypatch):
+    path = os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)  # the workers import this module
+
+    def agents_and_workers_up(found) -> bool:  # 2 agents and 4 workers name the target
+        return len(running("labsupport.run test_run:", found)) >= 6
+
+    target = "test_run:hold_and_say_where_the_store_is"
+    with (
+        interrupted_once(agents_and_workers_up) as below,
+        pytest.raises(LaunchInterrupted) as info,
+    ):
+        nodes.torchrun_nodes(target, 2, 2, 180, args=("seconds=600",))
+    stopped = "the 2 nodes and every process they started were stopped"
+    assert str(info.value) == f"interrupted; {stopped}."
+    assert info.value._render_traceback_() == [f"\x1b[31mKeyboardInterrupt\x1b[39m: {info.value}"]
+    assert len(below) >= 6, below
+    assert_all_gone(below)
+
+
+def test_interrupting_deepspeed_launcher_nodes_stops_every_process_they_started():
+    def workers_up(found) -> bool:  # DeepSpeed's launch.py gives each --local_rank=N
+        return len(running("--local_rank", found)) >= 2
+
+    with (
+        interrupted_once(workers_up) as below,
+        pytest.raises(LaunchInterrupted, match="the 2 nodes and every process"),
+    ):
+        lab15_launcher.deepspeed_nodes({"node0": 1, "node1": 1}, 2, 1, timeout=300)
+    assert_all_gone(below)
+
+
+def test_node_output_is_read_whole_from_files_as_it_grows():
+    """Lines split across writes, a long output, a last line without its newline."""
+    script = (
+        "import sys\n"
+        "for i in range(3000):\n"
+        "    sys.stdout.write(f'line {i} ' + 'x' * 40 + '\\n')\n"
+        "sys.stdout.write('[rank 0] -> ')\n"
+        "sys.stdout.flush()\n"
+        "sys.stdout.write('done')\n"
+    )
+    outputs, codes, timed_out = nodes.stream_nodes(
+        [[sys.executable, "-c", script]], nodes.node_environment(), 60
+    )
+    assert codes == [0] and not timed_out
+    lines = outputs[0].split("\n")
+    assert lines[:3000] == [f"line {i} " + "x" * 40 for i in range(3000)]
+    assert lines[3000:] == ["[rank 0] -> done"]
+
+
+def test_torch_log_lines_are_shown_as_their_text():
+    line = "I1206 09:29:01.525000 26879 /x/torch/distributed/elastic/agent/server/api.py:553] "
+    assert nodes.log_message(line + "[default] Starting worker group") == (
+        "[default] Starting worker group"
+    )
+    assert nodes.log_message("[rank 0] -> 1") == "[rank 0] -> 1"
 
 
 def test_single_node_torchrun_passes_keyword_arguments():

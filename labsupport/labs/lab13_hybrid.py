@@ -149,7 +149,9 @@ def published_rows(checks: dict) -> list[dict]:
 
 
 def plan_rows(model: str, cluster: str, global_batch: int, top: int = 5) -> list[dict]:
-    """The ``top`` meshes the planner finds, each with its best layout."""
+    """The ``top`` meshes the planner finds, each with its best layout: ``b`` is the
+    micro-batch in sequences, ``v`` the chunks per pipeline rank (interleaving), ``comm``
+    the communication left exposed (tensor, pipeline and data parallel together)."""
     meshes = best_per_mesh(plan(MODELS[model], CLUSTERS[cluster], global_batch))
     rows = []
     for r in meshes[:top]:
@@ -158,13 +160,13 @@ def plan_rows(model: str, cluster: str, global_batch: int, top: int = 5) -> list
             {
                 "dp x tp x pp": f"{lay.dp} x {lay.tp} x {lay.pp}",
                 "ZeRO": lay.zero,
-                "micro-batch": lay.micro_batch,
-                "chunks": lay.chunks,
+                "b": lay.micro_batch,
+                "v": lay.chunks,
                 "recompute": lay.recompute,
                 "GB/GPU": f"{r['memory'] / 1e9:.0f}",
                 "step (s)": f"{r['step_s']:.2f}",
                 "bubble (s)": f"{parts['bubble']:.2f}",
-                "exposed comm (s)": f"{parts['tensor'] + parts['pipeline'] + parts['data']:.2f}",
+                "comm (s)": f"{parts['tensor'] + parts['pipeline'] + parts['data']:.2f}",
                 "MFU": f"{r['mfu']:.0%}",
             }
         )
@@ -184,7 +186,8 @@ class PlannerExplorer(widgets.interactive):
 
 def explorer() -> PlannerExplorer:
     """Pick a published model, a cluster and a global batch (in sequences): the planner's
-    best meshes. It starts on BLOOM-176B's run."""
+    best meshes. It starts on GPT-3 175B's run on Selene (BLOOM's best meshes are printed
+    above it in the lab)."""
     report = widgets.HTML()
     style, layout = {"description_width": "120px"}, widgets.Layout(width="520px")
 
@@ -193,7 +196,7 @@ def explorer() -> PlannerExplorer:
         text = format_table(rows) if rows else "no layout fits in memory"
         report.value = f"<pre>{html.escape(text)}</pre>"
 
-    start = PUBLISHED[0]
+    start = PUBLISHED[1]
 
     box = PlannerExplorer(
         show,

@@ -9,7 +9,7 @@ against :mod:`labsupport.parallel.zero` and plain Adam (:mod:`labsupport.labs.la
   AdamW unless told otherwise, and torch's AdamW decays weights by 0.01 by default. On a
   CPU, ``DS_ACCELERATOR=cpu`` selects DeepSpeed's CPU accelerator; it runs its
   collectives over the gloo process group ``labsupport.launch`` made. Its first use
-  compiles a small C++ extension (``deepspeed_shm_comm_op``, about 30 s, cached in
+  compiles a small C++ extension (``deepspeed_shm_comm``, about a minute, cached in
   ``~/.cache/torch_extensions``): :func:`deepspeed_warmup` builds it.
 """
 
@@ -25,8 +25,13 @@ import torch.distributed as dist
 
 from labsupport.comm.metrics import mean_over_ranks
 from labsupport.labs.lab14_zero import BATCH, LR, STAGES, STEPS, build, cpu_params, my_share
+from labsupport.launch.progress import status
 from labsupport.launch.runtime import device
-from labsupport.parallel.deepspeed_setup import use_deepspeed_accelerator
+from labsupport.parallel.deepspeed_setup import (
+    BUILDING_SHM_COMM,
+    shm_comm_needs_building,
+    use_deepspeed_accelerator,
+)
 
 
 def train_fsdp2(steps: int = STEPS) -> dict:
@@ -140,9 +145,13 @@ def train_deepspeed(stages=STAGES, steps: int = STEPS) -> dict:
 
 def deepspeed_warmup() -> str:
     """Import DeepSpeed and build (or load from its cache) the C++ extension its
-    communication backend compiles on first use; returns DeepSpeed's version."""
+    communication backend compiles on first use; returns DeepSpeed's version. While it
+    builds (the first time only), rank 0 says so in the launch's live area, which keeps
+    nothing of it: the cell's record is the same whether it was built or not."""
     deepspeed = _import_deepspeed()
     _quiet_ranks()
+    if dist.get_rank() == 0 and shm_comm_needs_building():
+        status(BUILDING_SHM_COMM)
     with contextlib.redirect_stdout(io.StringIO()):
         deepspeed.init_distributed(dist_backend=dist.get_backend())
     return deepspeed.__version__

@@ -22,10 +22,15 @@ import torch.distributed as dist
 
 from labsupport.comm.metrics import mean_over_ranks
 from labsupport.labs.cells import exercise
-from labsupport.launch.progress import progress
+from labsupport.launch.progress import progress, status
 from labsupport.launch.runtime import device
 from labsupport.models import batch_share, random_tokens, tiny_gpt
-from labsupport.parallel.deepspeed_setup import cpu_accelerator, use_deepspeed_accelerator
+from labsupport.parallel.deepspeed_setup import (
+    BUILDING_SHM_COMM,
+    cpu_accelerator,
+    shm_comm_needs_building,
+    use_deepspeed_accelerator,
+)
 from labsupport.parallel.zero import ZeRO
 
 #: The run both frameworks train: the course GPT, 16 sequences of 32 tokens per step.
@@ -35,12 +40,15 @@ BATCH, SEQ, VOCAB, LR, STEPS = 16, 32, 256, 1e-3, 3
 def build_deepspeed_ops() -> dict:
     """Build (or load from ``~/.cache/torch_extensions``) the C++ op DeepSpeed's CPU
     accelerator compiles the first time a process group starts: the shared-memory
-    all-reduce (``ShareMemCommBuilder``). Returns the seconds it took and whether it
-    was built now (rather than found built)."""
+    all-reduce (``ShareMemCommBuilder``); when it is not built yet, says so first (about
+    a minute). Returns the seconds it took and whether it was built now (rather than
+    found built)."""
     with cpu_accelerator():
         from deepspeed.accelerator import get_accelerator
 
         builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if shm_comm_needs_building():
+            status(BUILDING_SHM_COMM)
     start, began = time.perf_counter(), time.time()
     with contextlib.redirect_stdout(io.StringIO()):  # ninja's "no work to do"
         module = builder.load(verbose=False)

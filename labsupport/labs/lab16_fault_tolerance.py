@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from labsupport.estimate import reliability
 from labsupport.labs.cells import exercise
+from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.models import batch_share, random_tokens, tiny_gpt
 from labsupport.parallel import checkpoint as ck
@@ -154,7 +155,7 @@ def train(root: str, steps: int = STEPS, every=EVERY, kill=None, resume_from=Non
         dist.barrier()
         load_s = time.perf_counter() - began
     step_s = 0.0
-    for step in range(start, steps):
+    for step in progress(range(start, steps), "train"):
         if kill is not None and (rank, step) == tuple(kill):
             os.kill(os.getpid(), signal.SIGKILL)
         began = time.perf_counter()

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,7 +19,7 @@ import torch.distributed as dist
 from labsupport.labs.lab16_fault_tolerance import latest_checkpoint, train
 from labsupport.launch import loopback
 from labsupport.launch.launcher import rank_environment
-from labsupport.launch.nodes import free_port, kill_trees, torchrun_command, wait_for_nodes
+from labsupport.launch.nodes import free_port, log_message, stream_nodes, torchrun_command
 
 
 def train_elastic(root: str, kill_rank: int = 2, kill_step: int = 10) -> dict | None:
@@ -45,8 +42,10 @@ def torchrun_job(target: str, nproc: int = 4, max_restarts: int = 1, args=(), ti
     """Run ``target`` (``module:function``) under one ``torchrun`` that may restart the
     job ``max_restarts`` times, elastic between one and two nodes (``--nnodes=1:2``; only
     this one comes). Each worker gets the number of threads a :func:`labsupport.launch`
-    rank gets, so that the two compute alike. Returns the ``[rank N] -> value`` lines
-    and torchrun's own lines about the job (failures, restarts), and its exit code."""
+    rank gets, so that the two compute alike. torchrun's lines show live as they come
+    (:func:`~labsupport.launch.nodes.stream_nodes`; an interrupt stops torchrun and its
+    workers). Returns the ``[rank N] -> value`` lines and torchrun's own lines about the
+    job (failures, restarts), and its exit code."""
     threads = rank_environment(0, nproc, 0, "", None)["OMP_NUM_THREADS"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
     env.update(OMP_NUM_THREADS=threads, PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
@@ -58,25 +57,17 @@ def torchrun_job(target: str, nproc: int = 4, max_restarts: int = 1, args=(), ti
     quick = ["--rdzv-conf=last_call_timeout=1", "--monitor-interval=0.2"]
     # torchrun with its stores on 127.0.0.1 (labsupport.launch.local_torchrun)
     command = torchrun_command(*elastic, *meet, *quick, "-m", "labsupport.run", target, *args)
-    with tempfile.TemporaryFile(mode="w+") as log:
-        node = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            timed_out = wait_for_nodes([node], time.monotonic() + timeout)
-        finally:
-            kill_trees([node])
-        log.seek(0)
-        output = log.read()
+    [output], [returncode], timed_out = stream_nodes([command], env, timeout)
     if timed_out:
         raise RuntimeError(f"torchrun did not finish within {timeout} s:\n{output}")
     lines = output.splitlines()
     results = sorted(line for line in lines if line.startswith("[rank "))
     about_the_job = r"attempts left|restart_count=|failed \(exitcode"
     agent = [_message(line) for line in lines if re.search(about_the_job, line)]
-    return {"results": results, "agent": agent, "returncode": node.returncode, "output": output}
+    return {"results": results, "agent": agent, "returncode": returncode, "output": output}
 
 
 def _message(line: str) -> str:
     """A torchrun log line without its level, time, process ids, source location and
     the path of the Python binary."""
-    line = re.sub(r"^[IWE]\d{4} [\d:.]+ \d+ \S+\] ", "", line)
-    return re.sub(r" \(pid: \d+\) of binary: .*$", "", line).strip()
+    return re.sub(r" \(pid: \d+\) of binary: .*$", "", log_message(line)).strip()

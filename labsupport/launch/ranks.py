@@ -3,7 +3,8 @@
 :class:`RankProcess` reads a rank's result pipe and output pipes and records how it
 ended; :class:`LiveView` shows the ranks' output while they run (live in a notebook,
 printed in a terminal) and leaves a rank-ordered record behind when they end, so that a
-notebook's stored output does not depend on timing.
+notebook's stored output does not depend on timing. The emulated nodes of
+:mod:`~labsupport.launch.nodes` show their output in a :class:`LiveView` too.
 """
 
 from __future__ import annotations
@@ -90,8 +91,10 @@ class RankProcess:
         lines = [line.removesuffix("\r") for line in text.split("\n")[:-1]] if text else []
         shown = []
         for line in lines:
-            report = progress.parse(line)
-            if report is None:
+            report, status = progress.parse(line), progress.parse_status(line)
+            if status is not None:  # live only
+                shown.append(("status", status))
+            elif report is None:
                 self.lines[name].append(line)
                 shown.append((name, line))
             else:  # live only; the finished bar goes into the record (the same every run)
@@ -155,22 +158,27 @@ class RankProcess:
 
 
 class LiveView:
-    """Rank output, live while the launch runs and rank-ordered when it ends.
+    """Output of ranks (or of nodes), live while they run and rank-ordered when they end.
 
-    In a terminal, each line is printed as it arrives, prefixed with its rank. In a
+    In a terminal, each line is printed as it arrives, prefixed with its rank (node). In a
     Jupyter kernel, a display area says what is happening ("starting 4 ranks") and then
-    shows each rank's progress bar (:mod:`labsupport.launch.progress`) and the lines
-    as they arrive, in plain text like the cell's own output. When the launch ends that
-    area is emptied and the output is printed again, grouped by rank under one line
-    that says so: the record that stays in the notebook is the same on every run
-    (nbval compares it).
+    shows each rank's progress bar or status (:mod:`labsupport.launch.progress`) and the
+    lines as they arrive, in plain text like the cell's own output. When the launch
+    ends, :meth:`finish` empties that area and prints the output again, grouped by rank
+    under one line that says so: the record that stays in the notebook is the same on
+    every run (nbval compares it). :meth:`close` empties it and prints nothing.
+
+    The area is a display with no data at all, before and after: it shows nothing, on
+    the website (Jupyter Book drops it) as in JupyterLab. The Jupyter protocol cannot
+    remove one output of a cell (``clear_output`` removes all of them, the output of
+    earlier launches in the same cell too), so an empty display is what stays of it.
     """
 
     REFRESH_S = 0.25
 
-    def __init__(self, world_size: int, first: bool = False):
+    def __init__(self, count: int, first: bool = False, unit: str = "rank"):
         self.jupyter = in_jupyter()
-        self.world_size = world_size
+        self.count, self.unit = count, unit
         self.handle = None
         self.buffer: list[str] = []
         self.bars: dict[int, str] = {}
@@ -179,22 +187,33 @@ class LiveView:
         if self.jupyter:
             from IPython.display import display
 
-            status = f"starting {world_size} rank{'s' if world_size > 1 else ''} ..."
+            status = f"starting {self._units()} ..."
             if first:
                 status += " (the first launch in this kernel imports torch once: a few seconds)"
-            # Created empty, then filled: nbval compares a cell's first display message
-            # and ignores updates, and the stored notebook keeps the emptied area.
-            self.handle = display({"text/plain": ""}, raw=True, display_id=True)
+            # Created with no data, then filled: nbval compares a cell's first display
+            # message, in which a display with no data has nothing to compare, and
+            # ignores updates; the stored notebook keeps the last update, no data again.
+            self.handle = display({}, raw=True, display_id=True)
             self.handle.update({"text/plain": status}, raw=True)
 
-    def line(self, rank: int, stream: str, text: str) -> None:
+    def _units(self) -> str:
+        return f"{self.count} {self.unit}{'s' if self.count > 1 else ''}"
+
+    def line(self, who: int, stream: str, text: str) -> None:
+        """Show ``text`` from rank (or node) ``who``: a line of ``stdout`` or ``stderr``,
+        a ``progress`` report, or a ``status``."""
+        prefix = f"[{self.unit} {who}]"
         if stream == "progress":
             done, total, desc = progress.parse(text)
-            self.bars[rank] = progress.bar(done, total, desc)
+            self.bars[who] = progress.bar(done, total, desc)
             if not self.jupyter and done == total:
-                print(f"[rank {rank}] {self.bars[rank]}", flush=True)
+                print(f"{prefix} {self.bars[who]}", flush=True)
+        elif stream == "status":  # in place of the bar, until the next report
+            self.bars[who] = text
+            if not self.jupyter:
+                print(f"{prefix} {text}", flush=True)
         else:
-            shown = f"[rank {rank}] {text}"
+            shown = f"{prefix} {text}"
             if not self.jupyter:
                 print(shown, file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
                 return
@@ -208,23 +227,30 @@ class LiveView:
             return
         if not self.stale:
             return
-        running = f"{self.world_size} rank{'s' if self.world_size > 1 else ''} running"
         lines = [
-            running,
-            *(f"[rank {rank}] {self.bars[rank]}" for rank in sorted(self.bars)),
+            f"{self._units()} running",
+            *(f"[{self.unit} {who}] {self.bars[who]}" for who in sorted(self.bars)),
             *self.buffer[-200:],
         ]
         self.handle.update({"text/plain": "\n".join(lines)}, raw=True)
         self.last, self.stale = time.monotonic(), False
 
+    def close(self) -> None:
+        """Empty the live area: it shows nothing from now on."""
+        if self.handle is not None:
+            self.handle.update({}, raw=True)
+            self.handle = None
+
     def finish(self, ranks: list[RankProcess]) -> None:
+        """Empty the live area and print the record: every rank's lines, rank by rank."""
         if self.handle is None:
             return
-        self.handle.update({"text/plain": ""}, raw=True)
+        self.close()
         out = [f"[rank {r.rank}] {line}\n" for r in ranks for line in r.lines["stdout"]]
         err = [f"[rank {r.rank}] {line}\n" for r in ranks for line in r.lines["stderr"]]
         if out or err:
-            sys.stdout.write(f"(output of the {len(ranks)} ranks, in rank order)\n")
+            whose = f"{len(ranks)} ranks, in rank order" if len(ranks) > 1 else "1 rank"
+            sys.stdout.write(f"(output of the {whose})\n")
         for lines, file in ((out, sys.stdout), (err, sys.stderr)):
             if lines:
                 file.write("".join(lines))

@@ -34,3 +34,41 @@ def cpu_accelerator():
             del os.environ["DS_ACCELERATOR"]
         else:
             os.environ["DS_ACCELERATOR"] = before
+
+
+#: What a learner sees while DeepSpeed compiles its CPU op: 43 s in one process and 50 s
+#: when four ranks start at once, on two busy cores.
+BUILDING_SHM_COMM = (
+    "building DeepSpeed's C++ extension (deepspeed_shm_comm): first time only, about a minute"
+)
+
+
+def shm_comm_needs_building() -> bool:
+    """Whether DeepSpeed will compile the C++ op its CPU accelerator's first process
+    group loads, the shared-memory all-reduce (``build_shm_op`` in
+    ``deepspeed/comm/torch.py``): the accelerator has it and can build it (the op's
+    ``is_compatible``, which DeepSpeed's probe of every op asks; probing every op would
+    run compilers whose errors a notebook shows), it was not installed with DeepSpeed,
+    and torch's extension folder (``~/.cache/torch_extensions``) holds no build of it
+    from this installation. ``torch.utils.cpp_extension.load`` writes the folder's
+    ``build.ninja`` anew on every load, and ninja builds again when a command changed:
+    when torch or DeepSpeed is now at another path. Call it with DeepSpeed's accelerator
+    chosen (:func:`use_deepspeed_accelerator`, :func:`cpu_accelerator`)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory, include_paths
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not builder.is_compatible(verbose=False):
+        return False
+    if installed_ops.get(builder.name, False):
+        return False
+    folder = _get_build_directory(builder.name, verbose=False)
+    ninja = os.path.join(folder, "build.ninja")
+    if not os.path.exists(os.path.join(folder, f"{builder.name}.so")) or not os.path.exists(ninja):
+        return True
+    with open(ninja, encoding="utf-8") as f:
+        commands = f.read()
+    paths = [os.path.dirname(deepspeed.__file__), include_paths()[0]]
+    return not all(path in commands for path in paths)

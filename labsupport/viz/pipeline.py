@@ -94,14 +94,17 @@ def draw_schedules(cases, p: int = 4, durations=None):
     return fig
 
 
-def draw_measured_and_simulated(cases, p: int = 4):
-    """Each schedule's measured timeline (in ms) above its simulation (in slots), for
-    ``(name, m, v, measured)`` in ``cases``: one column, so that the figure is shown at
-    the page's width with its text as large as the page's."""
+def draw_measured_and_simulated(cases, p: int = 4, durations=None):
+    """Each schedule's measured timeline (in ms) above its simulation (in slots, each
+    kind of action ``durations[kind]`` of them), for ``(name, m, v, measured)`` in
+    ``cases``: one column, so that the figure is shown at the page's width with its text
+    as large as the page's."""
     fig, axes = subplots(2 * len(cases), 1, PAGE_WIDTH, 3.2 * len(cases) + 0.3)
     for (top, bottom), (name, m, v, measured) in zip(axes.reshape(-1, 2), cases, strict=True):
         draw_timeline(measured, top, f"{name}, m = {m}: measured", xlabel="ms")
-        draw_timeline(simulated(name, p, m, v), bottom, f"{name}: simulated", xlabel="slots")
+        draw_timeline(
+            simulated(name, p, m, v, durations), bottom, f"{name}: simulated", xlabel="slots"
+        )
     fig.tight_layout()
     return fig
 
