@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labsupport.comm.allreduce import all_reduce, bytes_sent
+from labsupport.comm.flat import even_spans
 from labsupport.comm.p2p import count_traffic
 from labsupport.labs.cells import exercise, number
 from labsupport.launch.launcher import launch
@@ -110,8 +111,9 @@ def counted_train(*args, **kwargs) -> dict:
 
 
 def shard_sizes(numel: int, servers: int) -> list[int]:
-    """Parameters per server: ``numel`` split as ``tensor_split`` splits it."""
-    return [numel // servers + (s < numel % servers) for s in range(servers)]
+    """Parameters per server: ``numel`` split as ``tensor_split`` splits it, as
+    :func:`labsupport.parallel.parameter_server.train` shards the flat parameters."""
+    return [part.stop - part.start for part in even_spans(numel, servers)]
 
 
 def traffic_formula(numel: int, workers: int, servers: int, rank: int) -> tuple[int, int]:
