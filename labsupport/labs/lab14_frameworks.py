@@ -24,7 +24,16 @@ import torch
 import torch.distributed as dist
 
 from labsupport.comm.metrics import mean_over_ranks
-from labsupport.labs.lab14_zero import BATCH, LR, STAGES, STEPS, build, cpu_params, my_share
+from labsupport.labs.lab14_zero import (
+    BATCH,
+    LR,
+    STAGES,
+    STEPS,
+    adam_on_shares,
+    build,
+    cpu_params,
+    my_share,
+)
 from labsupport.launch.progress import status
 from labsupport.launch.runtime import device
 from labsupport.parallel.deepspeed_setup import (
@@ -47,14 +56,7 @@ def train_fsdp2(steps: int = STEPS) -> dict:
     for block in model.h:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss = model(*my_share(step))[1]
-        loss.backward()
-        opt.step()
-        losses.append(mean_over_ranks(loss))
+    opt, losses = adam_on_shares(model, steps)
     sharded = sum(p.to_local().nbytes for p in model.parameters())
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights, optimizer = get_state_dict(model, opt, options=options)

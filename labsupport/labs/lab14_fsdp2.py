@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 
 from labsupport.comm.metrics import mean_over_ranks
-from labsupport.labs.lab14_zero import LAB_GPT, LR, STEPS, build, cpu_params, my_share
+from labsupport.labs.lab14_zero import (
+    LAB_GPT,
+    LR,
+    STEPS,
+    adam_on_shares,
+    build,
+    cpu_params,
+    my_share,
+)
 from labsupport.launch.runtime import device
 from labsupport.models import tiny_gpt
 from labsupport.parallel.zero import ZeRO
@@ -40,14 +48,7 @@ def _sharded(model, **options):
 
 
 def _train(model, steps: int = STEPS) -> dict:
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss = model(*my_share(step))[1]
-        loss.backward()
-        opt.step()
-        losses.append(mean_over_ranks(loss))
+    _, losses = adam_on_shares(model, steps)
     params = {n: p.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "params": params}
 

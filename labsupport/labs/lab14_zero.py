@@ -55,6 +55,21 @@ def my_share(step: int):
     return tuple(t[mine].to(device()) for t in global_batch(step))
 
 
+def adam_on_shares(model, steps: int = STEPS) -> tuple:
+    """``steps`` steps of ``torch.optim.Adam`` on this rank's share of each batch
+    (:func:`my_share`), for a model that syncs its own gradients (FSDP2's; run on every
+    rank): the optimizer, and each step's loss averaged over the ranks."""
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model(*my_share(step))[1]
+        loss.backward()
+        opt.step()
+        losses.append(mean_over_ranks(loss))
+    return opt, losses
+
+
 def param_mismatches(got: dict, want: dict) -> list[str]:
     """The names of the parameters in which ``got`` and ``want`` differ beyond
     :data:`PARAM_TOL`, the attention's key bias apart, which may differ by up to ``LR``.
