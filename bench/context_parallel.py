@@ -60,12 +60,11 @@ def step_peak() -> int:
     """This rank's peak bytes alive in one forward and backward pass of the GPT, on its
     share of one sequence (the whole sequence on a world of one)."""
     from labsupport.measure.memory import LiveMemory
-    from labsupport.models import GPT, GPTConfig, random_tokens
+    from labsupport.models import random_tokens, tiny_gpt
     from labsupport.parallel.context_parallel import shard_sequence
     from labsupport.parallel.context_parallel_model import ContextParallelGPT
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**CONFIG))
+    model = tiny_gpt(0, **CONFIG)
     idx, targets = random_tokens(1, CONFIG["block_size"], CONFIG["vocab_size"], seed=1)
     if dist.get_world_size() > 1:
         model = ContextParallelGPT(model)

@@ -22,14 +22,13 @@ CONFIG = {"vocab_size": 256, "block_size": 128, "n_layer": 4, "n_head": 4, "n_em
 
 def alternate(steps: int) -> dict | None:
     """Train both wrappers step by step in turns; rank 0 returns each one's step times."""
-    from labsupport.models import GPT, GPTConfig, random_tokens
+    from labsupport.models import random_tokens, tiny_gpt
     from labsupport.parallel.data_parallel import DistributedDataParallel
 
     runs = {}
     for name, wrap in (("ours", DistributedDataParallel),
                        ("torch", torch.nn.parallel.DistributedDataParallel)):  # fmt: skip
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**CONFIG))
+        model = tiny_gpt(0, **CONFIG)
         ddp = wrap(model, bucket_cap_mb=1)
         runs[name] = (ddp, torch.optim.SGD(model.parameters(), lr=0.01))
     times = {name: [] for name in runs}

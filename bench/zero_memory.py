@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 import torch.distributed as dist
 
 CONFIG = {"vocab_size": 1000, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 256}
@@ -21,11 +20,10 @@ WORLD, STEPS, BATCH, TARGET = 4, 2, 8, 0.05
 
 def measure(stage: int) -> dict:
     """This rank's model-state bytes after the last backward pass under ZeRO ``stage``."""
-    from labsupport.models import GPT, GPTConfig, random_tokens
+    from labsupport.models import random_tokens, tiny_gpt
     from labsupport.parallel.zero import ZeRO
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**CONFIG))
+    model = tiny_gpt(0, **CONFIG)
     zero = ZeRO(model, stage, lr=1e-3)
     rank = dist.get_rank()
     for step in range(STEPS):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from labsupport import device, launch
 from labsupport.launch.runtime import GPU_BACKEND
-from labsupport.models import GPT, GPTConfig, random_tokens
+from labsupport.models import GPT, random_tokens, tiny_gpt
 
 CONFIG = {"vocab_size": 64, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16}
 STEPS, BATCH, LR = 3, 8, 1e-2
@@ -44,8 +44,7 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def _model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(**CONFIG)).to(device())
+    return tiny_gpt(0, **CONFIG).to(device())
 
 
 def _batch(step: int):
