@@ -28,7 +28,7 @@ def test_memory_and_traffic_rows_on_two_ranks():
         assert row["gradients"] == row["formula g"]  # stage 1 keeps them whole, as counted
     for row in lab14_zero.traffic_rows(runs[2], world=2):
         assert row["bytes sent"] == row["formula"]
-        assert row["flags sent"] == row["flags formula"] == 28  # 28 tensors, a byte each
+        assert row["flag bytes"] == row["formula f"] == 28  # 28 tensors, a byte each
         # per step: stage 1 one reduce-scatter and one all-gather of the whole model;
         # stages 2 and 3 one per unit (2 blocks and the root), stage 3 a second gather;
         # and one all-reduce of the flags
@@ -41,7 +41,7 @@ def test_activations_grow_with_the_micro_batch_and_states_do_not():
     for row in rows:
         for stage in range(4):
             want = sum(training_memory(numel, "fp32", stage, 4).values())
-            assert row[f"stage {stage}"] == round(want)
+            assert row[f"states, stage {stage}"] == round(want)
     assert 3.5 < rows[1]["activations"] / rows[0]["activations"] < 4.5
 
 

@@ -178,12 +178,13 @@ def traffic_rows(runs: dict, world: int) -> list[dict]:
         rows.append(
             {
                 "stage": stage,
+                "collectives": ", ".join(sorted(set(r["calls"]))),
                 "calls": len(r["calls"]),
                 "bytes sent": round(r["bytes"]),
                 "formula": round(times * r["padded"] * 4 * (world - 1) / world),
                 "times Ψ": times,
-                "flags sent": round(r["flag bytes"]),
-                "flags formula": round(2 * r["tensors"] * (world - 1) / world),
+                "flag bytes": round(r["flag bytes"]),
+                "formula f": round(2 * r["tensors"] * (world - 1) / world),
             }
         )
     return rows
@@ -203,7 +204,7 @@ def states_and_activations(batches=(1, 8, 32), world: int = 4, config=None) -> l
         del loss
         row = {"micro-batch": b, "activations": saved.nbytes}
         for stage in (0, *STAGES):
-            row[f"stage {stage}"] = round(
+            row[f"states, stage {stage}"] = round(
                 sum(training_memory(numel, "fp32", stage, world).values())
             )
         rows.append(row)
