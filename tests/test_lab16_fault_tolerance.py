@@ -86,7 +86,9 @@ def test_latest_checkpoint_passes_over_partial_damaged_and_foreign_folders(runs,
     lab.zero_block(str(tmp_path / "step00006" / "__1_0.distcp"))  # damaged in place
     (tmp_path / "step00004" / ck.MANIFEST).unlink()  # as if interrupted while written
     assert lab.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step00002")
-    said = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out  # each message wrapped to the page's width
+    assert max(len(line) for line in out.splitlines()) <= 79
+    said = [" ".join(("passed over:" + m).split()) for m in out.split("passed over:")[1:]]
     assert said[0].startswith("passed over: the checkpoint at step00006 is damaged: __1_0.distcp")
     assert said[1].startswith("passed over: the checkpoint at step00004 is incomplete")
     assert len(said) == 2
@@ -148,7 +150,7 @@ def test_torchrun_lines_lose_their_times_pids_and_paths():
     line = (
         "E1203 03:16:14.792000 7353 .venv/lib/python3.11/site-packages/torch/distributed/"
         "elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 2 "
-        "(pid: 7358) of binary: /work/main/.venv/bin/python"
+        "(pid: 7358) of binary: /home/learner/course/.venv/bin/python"
     )
     assert lab16_torchrun._message(line) == "failed (exitcode: -9) local_rank: 2"
     info = "I1203 03:16:16.131000 7353 x/api.py:553]   restart_count=1"

@@ -297,7 +297,7 @@ LINKS = {
             "PCIe 6.0 x16",
             "PCIe",
             pcie_x16(64, 1, 1),
-            "64 GT/s per lane (PAM4, FLIT); 256 GB/s bidirectional, raw",
+            "64 GT/s per lane (PAM4, FLIT), raw",
             PCIE6,
         ),
         _link(

@@ -23,9 +23,11 @@ SBATCH_TWO_NODES = """\
 #!/bin/bash
 #SBATCH --job-name=two-nodes
 #SBATCH --nodes=2
-#SBATCH --ntasks-per-node=1     # one task per node: torchrun, which starts the ranks
+# one task per node: torchrun, which starts the ranks
+#SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=64      # the node's cores for torchrun's 8 workers: set to your nodes'
+# the node's cores for torchrun's 8 workers: set to your nodes'
+#SBATCH --cpus-per-task=64
 #SBATCH --time=00:10:00
 
 # The first node of the job hosts the rendezvous, on a port free there.

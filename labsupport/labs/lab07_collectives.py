@@ -154,7 +154,7 @@ def agreement(results: list[dict], name: str) -> str:
     for rank, result in enumerate(results):
         ours, theirs = result["ours"].tolist(), result["torch"].tolist()
         assert ours == theirs, f"{name}, rank {rank}: ours {ours} != torch's {theirs}"
-    return f"labsupport.comm.{name} == torch.distributed.{name} on all {len(results)} ranks"
+    return f"labsupport.comm.{name} == torch.distributed.{name} on {len(results)} ranks"
 
 
 # --------------------------------------------------------------------------- exercises

@@ -19,6 +19,7 @@ import math
 import os
 import re
 import signal
+import textwrap
 import time
 
 import torch
@@ -90,7 +91,8 @@ def latest_checkpoint(root: str) -> str | None:
         try:
             ck.verify(path)
         except ck.CheckpointError as refused:
-            print(f"passed over: {str(refused).replace(path, name)}")
+            passed = f"passed over: {str(refused).replace(path, name)}"
+            print(textwrap.fill(passed, 79, subsequent_indent="  "))
         else:
             return path
     return None
