@@ -5,6 +5,7 @@ is tested in tests/test_viz.py, against the committed figures.)"""
 from __future__ import annotations
 
 import nbformat
+import psutil
 import pytest
 import torch
 from nbformat.v4 import new_code_cell, new_notebook
@@ -17,7 +18,9 @@ def test_execute_stores_outputs_without_timestamps(tmp_path):
     nb = new_notebook(cells=[new_code_cell("print(6 * 7)")])
     nb.cells[0].metadata["execution"] = {"iopub.status.idle": "2026-01-01T00:00:00Z"}
     nbformat.write(nb, path)
+    before = set(psutil.Process().children(recursive=True))
     execute.execute(path, timeout=120)
+    assert set(psutil.Process().children(recursive=True)) <= before, "a kernel was left running"
     cell = nbformat.read(path, as_version=4).cells[0]
     assert cell.outputs[0]["text"] == "42\n"
     assert cell.execution_count == 1
