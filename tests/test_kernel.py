@@ -11,26 +11,14 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
-from jupyter_client.manager import KernelManager
-from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
 
-
-def kernel_manager(folder) -> KernelManager:
-    """A kernel of this test's own, reached through Unix sockets in a folder of its own:
-    no TCP port that another program could take between choosing it and binding it, no
-    connection file among other kernels'."""
-    return KernelManager(
-        kernel_name="python3",
-        transport="ipc",
-        ip=str(folder / "channel"),
-        connection_file=str(folder / "kernel.json"),
-    )
+from tools import execute
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    manager = kernel_manager(tmp_path_factory.mktemp("kernel"))
+    manager = execute.ipc_kernel_manager(tmp_path_factory.mktemp("kernel"))
     manager.start_kernel()
     client = manager.client()
     client.start_channels()
@@ -246,13 +234,10 @@ def test_a_stored_launch_cell_keeps_the_rank_ordered_record_and_no_empty_box(tmp
     )
     nb = new_notebook(cells=[new_code_cell(source)])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
-    manager = kernel_manager(tmp_path)
-    client = NotebookClient(nb, km=manager, timeout=300, record_timing=False)
-    try:
-        client.execute()
-    finally:  # nbclient leaves running a kernel it was given (it shuts down its own only)
-        manager.shutdown_kernel(now=True)
-    outputs = nb.cells[0].outputs
+    path = tmp_path / "stored.ipynb"
+    nbformat.write(nb, path)
+    execute.execute(path, timeout=300)
+    outputs = nbformat.read(path, as_version=4).cells[0].outputs
     assert empty_boxes(outputs) == []
     stdout = "".join(o["text"] for o in outputs if o["output_type"] == "stream")
     assert stdout == (
@@ -263,8 +248,6 @@ def test_a_stored_launch_cell_keeps_the_rank_ordered_record_and_no_empty_box(tmp
         + "(output of the 1 rank)\n[rank 0] line 0 of rank 0\n"
         + "after\n"
     )
-    path = tmp_path / "stored.ipynb"
-    nbformat.write(nb, path)
     nbval = [sys.executable, "-m", "pytest", "--nbval", path.name, "-p", "no:cacheprovider", "-q"]
     out = subprocess.run(nbval, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr

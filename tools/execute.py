@@ -20,17 +20,25 @@ from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
 
+def ipc_kernel_manager(folder) -> KernelManager:
+    """A manager for a Python kernel reached through Unix sockets in ``folder`` (IPC): no
+    TCP port that another program could take or reach, no connection file among other
+    kernels'. nbclient shuts down only the kernels it makes itself: whoever starts this
+    one shuts it down."""
+    return KernelManager(
+        kernel_name="python3",
+        transport="ipc",
+        ip=os.path.join(folder, "channel"),
+        connection_file=os.path.join(folder, "kernel.json"),
+    )
+
+
 def execute(path: Path, timeout: int = 600) -> float:
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
         cell.metadata.pop("execution", None)  # timestamps would churn every diff
     with tempfile.TemporaryDirectory(prefix="execute-") as folder:
-        manager = KernelManager(
-            kernel_name="python3",
-            transport="ipc",
-            ip=os.path.join(folder, "channel"),
-            connection_file=os.path.join(folder, "kernel.json"),
-        )
+        manager = ipc_kernel_manager(folder)
         client = NotebookClient(
             nb,
             km=manager,
@@ -42,7 +50,7 @@ def execute(path: Path, timeout: int = 600) -> float:
         start = time.perf_counter()
         try:
             client.execute()
-        finally:  # nbclient shuts down only the kernels it makes itself
+        finally:
             if manager.has_kernel:
                 manager.shutdown_kernel(now=True)
         elapsed = time.perf_counter() - start
