@@ -91,6 +91,19 @@ def only_rank_0_calls_all_reduce():  # the other rank never joins: the launch ha
     return total.item()
 
 
+def test_expect_close_names_the_rank_the_tensor_and_the_first_differing_element():
+    cells.expect_close(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-7]), "x")
+    got, want = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[1.0, 2.0], [3.0, 8.0]])
+    with pytest.raises(AssertionError) as info:
+        cells.expect_close(got, want, "w.grad", rank=2, hint="averaged twice?")
+    assert str(info.value) == (
+        "rank 2: w.grad differs at [1, 1] (and 0 more of 4 elements): expected 8, got 4 "
+        "(averaged twice?)"
+    )
+    with pytest.raises(AssertionError, match=r"^b has shape \(3,\), expected \(2,\)$"):
+        cells.expect_close(torch.zeros(3), torch.zeros(2), "b")
+
+
 def test_launch_answer_reports_a_hang_as_a_wrong_answer_and_a_raise_as_it_is():
     assert cells.launch_answer(dist.get_rank, 2, "unused", timeout=60) == [0, 1]
     with pytest.raises(AssertionError) as info:

@@ -6,8 +6,10 @@
 * :func:`exercise`: turns a checker into one that says "not attempted yet" for the stub
   a lab gives the learner, and "correct" (without giving the answer away) or a short
   verdict that says what is wrong, for an attempt;
-* :func:`number` and :func:`launch_answer`, for checkers: the learner's value as a number,
-  and the learner's function run on real ranks, a hang reported as a wrong answer.
+* :func:`number`, :func:`launch_answer` and :func:`expect_close`, for checkers: the
+  learner's value as a number, the learner's function run on real ranks (a hang reported
+  as a wrong answer), and a tensor compared with the expected one, a mismatch reported
+  with its rank, its name and its first differing element.
 """
 
 from __future__ import annotations
@@ -188,3 +190,31 @@ def launch_answer(fn, world_size: int, hint: str, timeout: float, args=(), kwarg
             f"on {world_size} ranks, the ranks did not all finish within {timeout:g} s. "
             f"{hint}\n{exc}"
         ) from None
+
+
+def expect_close(
+    got, want, what: str, rank: int | None = None, hint: str = "", rtol=1e-5, atol=1e-6
+) -> None:
+    """An ``AssertionError`` (a checker's verdict) unless tensor ``got`` has ``want``'s
+    shape and values within ``rtol``/``atol`` (``torch.testing.assert_close``'s rule);
+    the verdict names ``what`` (and ``rank``), the first differing element, expected
+    against got, and ``hint``, the usual mistake behind such a difference."""
+    import torch
+
+    where = f"rank {rank}: {what}" if rank is not None else what
+    got = torch.as_tensor(got)
+    want = torch.as_tensor(want)
+    tail = f" ({hint})" if hint else ""
+    if got.shape != want.shape:
+        raise AssertionError(
+            f"{where} has shape {tuple(got.shape)}, expected {tuple(want.shape)}{tail}"
+        )
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    bad = ~torch.isclose(got, want, rtol=rtol, atol=atol)
+    if bad.any():
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(
+            f"{where} differs at {list(index)} (and {int(bad.sum()) - 1} more of "
+            f"{bad.numel()} elements): expected {want[index].item():.6g}, "
+            f"got {got[index].item():.6g}{tail}"
+        )
