@@ -106,6 +106,11 @@ def skips_unused(reducer, param):
         launch_ready(reducer, async_op=True)
 
 
+def test_dividing_on_the_way_in_as_pytorch_does_passes_too(capsys):
+    assert exercises.check_ddp_hook(scales_on_the_way_in, never_divides)
+    assert capsys.readouterr().out.startswith("Correct:")
+
+
 def test_the_worked_solution_passes_and_the_stubs_are_not_attempted(capsys):
     assert exercises.check_ddp_hook(HOOK, FINALIZE)
     assert capsys.readouterr().out.startswith("Correct: torch DDP's gradients on 2 and 3 ranks")

@@ -22,6 +22,7 @@ every time rather than when the timing is unlucky.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -129,20 +130,27 @@ def watched_all_reduce(reducer: Reducer):
     raises (before any rank posts it); a bucket's asynchronous all-reduce is deferred as
     :class:`_Deferred` says. Restored on the way out."""
     original, launched = dist.all_reduce, []
+    signature = inspect.signature(original)
 
-    def all_reduce(tensor, *args, async_op=False, **kwargs):
+    def all_reduce(tensor, *args, **kwargs):
+        call = signature.bind(tensor, *args, **kwargs)
+        call.apply_defaults()
+        async_op = bool(call.arguments["async_op"])
         which = next((b for b in reducer.buckets if b.buffer.data_ptr() == tensor.data_ptr()), None)
-        reducer.events.append(("all-reduce", which and which.index, async_op))
+        reducer.events.append(("all-reduce", None if which is None else which.index, async_op))
         if which is None:
-            return original(tensor, *args, async_op=async_op, **kwargs)
-        expected = next(i for i in range(len(reducer.buckets) + 1) if i not in launched)
-        if which.index > expected:
-            raise RuntimeError(OUT_OF_ORDER.format(which.index, expected))
-        launched.append(which.index)
+            return original(*call.args, **call.kwargs)
+        _in_order(which.index)
         if not async_op:
-            return original(tensor, *args, **kwargs)
-        result = tensor.clone()
-        return _Deferred(original(result, *args, async_op=True, **kwargs), result, tensor)
+            return original(*call.args, **call.kwargs)
+        result = call.arguments["tensor"] = tensor.clone()
+        return _Deferred(original(*call.args, **call.kwargs), result, tensor)
+
+    def _in_order(index: int) -> None:
+        expected = next(i for i in range(len(reducer.buckets) + 1) if i not in launched)
+        if index > expected:
+            raise RuntimeError(OUT_OF_ORDER.format(index, expected))
+        launched.append(index)
 
     dist.all_reduce = all_reduce
     try:
