@@ -176,7 +176,7 @@ def test_check_worker_loop(capsys):
     mistakes = [
         (
             pushes_the_weights,
-            r"rank 0: the server's parameters after 4 synchronous steps .* differs at .*: "
+            r"rank 0: the server's parameter vector after 4 synchronous steps differs at .*: "
             r"expected .*shrank by a factor 1 - lr = 0.7 .*you pushed the weights",
         ),
         (

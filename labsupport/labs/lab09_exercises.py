@@ -91,7 +91,7 @@ def check_worker_loop(fn, timeout: float = 120) -> str:
     expect_close(library, want, "the library's parameters", 0, rtol=0, atol=tolerance)
     got = gathered(by_run["sync"])
     (server,) = servers_of(by_run["sync"])
-    what = f"the server's parameters after {STEPS} synchronous steps (one process's SGD)"
+    what = f"the server's parameter vector after {STEPS} synchronous steps"
     hint = _sync_hint(server["updates"], got)
     expect_close(got, want, what, 0, hint, rtol=0, atol=tolerance)
     (server,) = servers_of(by_run["async"])
