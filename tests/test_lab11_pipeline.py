@@ -236,6 +236,58 @@ def test_check_1f1b_schedule(capsys):
     assert "m not a multiple of p" in str(info.value)
 
 
+def zb_h1_then(change):
+    """ZB-H1's computations (the library's order), changed by ``change(order, m)``."""
+
+    def my_zb_h1(p, m, rank):
+        order = [a for a in schedules.build("zb-h1", p, m)[rank] if a.kind not in schedules.COMM]
+        return change(order, m)
+
+    return my_zb_h1
+
+
+def each_w_after_its_b(order, m):
+    out = []
+    for a in order:
+        if a.kind != "backward_weight":
+            out.append(a)
+        if a.kind == "backward_input":
+            out.append(a._replace(kind="backward_weight"))
+    return out
+
+
+def every_w_at_the_end(order, m):
+    return [a for a in order if a.kind != "backward_weight"] + [
+        schedules.Action("backward_weight", k, 0) for k in range(m)
+    ]
+
+
+def w_before_its_b(order, m):
+    first_w = next(i for i, a in enumerate(order) if a.kind == "backward_weight")
+    w = order.pop(first_w)
+    return [w, *order]
+
+
+def test_check_zb_h1_schedule(capsys):
+    mistakes = [
+        (zb_h1_then(each_w_after_its_b), r"p=4, m=6: it runs, but the stages idle 0.250 of "
+         r"the step .*where ZB-H1 idles 0.143: every W right after its B is 1F1B's bubble"),
+        (zb_h1_then(every_w_at_the_end), r"p=4, m=6: the stages hold \[6, 6, 6, 6\] micro-"
+         r"batches' activations at their peak \(each until its W\); ZB-H1 holds at most "
+         r"\[4, 4, 4, 4\]"),
+        (zb_h1_then(w_before_its_b), "p=4, m=6, rank 0: backward_weight 0 before "
+         "backward_input 0"),
+        (schedules.one_f_one_b, "rank 0: send_act: the computations only"),
+        (zb_h1_then(lambda order, m: [a._replace(kind="backward") if a.kind ==
+                                      "backward_input" else a for a in order]),
+         "backward 0 is whole: split it"),
+    ]  # fmt: skip
+    verified = "ZB-H1 as data: the simulator plays it"
+    checks(capsys, exercises.check_zb_h1_schedule, LAB, "my_zb_h1", verified, mistakes)
+    with pytest.raises(AssertionError, match="did not all finish within 10 s"):
+        exercises.check_zb_h1_schedule(never_returns_unless_m_divides, timeout=10)
+
+
 def test_zero_bubble_steps_and_torchs_schedule_give_one_process_gradients():
     """The lab's zero-bubble runs (its GPT on 2 ranks: 2 stages of 4 blocks, or a V of 4
     stages of 2) and torch's ScheduleDualPipeV on the same stages, the tied embedding's
