@@ -16,6 +16,7 @@ from labsupport import launch
 from labsupport.estimate.memory import activation_memory
 from labsupport.labs import lab12_exercises as exercises
 from labsupport.labs import lab12_memory as memory
+from labsupport.labs import lab12_mlp_runs as runs
 from labsupport.labs import lab12_tensor_parallel as lab
 from labsupport.parallel import tensor_parallel as tp
 
@@ -239,6 +240,18 @@ def sums_on_rank_zero(x, fc_weight, fc_bias, proj_weight, proj_bias):
     if dist.get_rank() == 0:
         y = tp.reduce_from_tensor_model_parallel_region(y)
     return y + proj_bias
+
+
+def test_the_mlp_exercises_references_are_the_dense_mlps_split():
+    """The library's layers and torch's ColwiseParallel → RowwiseParallel, which the
+    checker holds the learner's MLP against, give the dense MLP's output and gradients
+    (each weight's gradient cut as the shards are), on 2 ranks."""
+    for r in launch(runs.mlp_case, 2, kwargs={"mlp": forgets_f}):
+        for against in ("library", "torch"):
+            for name, want in r["dense"].items():
+                assert r[against][name].shape == want.shape, (against, name)
+                assert torch.allclose(r[against][name], want, **lab.TOL), (against, name)
+        assert not torch.allclose(r["got"]["x"], r["dense"]["x"], **lab.TOL)
 
 
 def test_check_parallel_mlp(capsys):
