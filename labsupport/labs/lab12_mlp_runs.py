@@ -75,7 +75,8 @@ def _run(mlp_fn, x, shards) -> dict:
 def _library(x, shards) -> dict:
     """The same shards in the library's ``ColumnParallelLinear`` and ``RowParallelLinear``."""
     width, hidden = x.size(-1), shards["fc_weight"].size(0) * dist.get_world_size()
-    column, row = ColumnParallelLinear(width, hidden), RowParallelLinear(hidden, width)
+    column = ColumnParallelLinear(width, hidden).to(device())
+    row = RowParallelLinear(hidden, width).to(device())
     with torch.no_grad():
         for layer, w, b in ((column, "fc_weight", "fc_bias"), (row, "proj_weight", "proj_bias")):
             layer.weight.copy_(shards[w])
@@ -114,7 +115,7 @@ def _torch(x, dense) -> dict:
 def _operators(f, g) -> dict:
     """``f`` and ``g`` alone, on a tensor and a gradient that differ from rank to rank."""
     rank = dist.get_rank()
-    x = (torch.arange(6.0).reshape(2, 3) + 1) * (rank + 1)
+    x = (torch.arange(6.0, device=device()).reshape(2, 3) + 1) * (rank + 1)
     found = {}
     for name, op in (("f", f), ("g", g)):
         leaf = x.clone().requires_grad_(True)
@@ -135,8 +136,10 @@ def mlp_case(f=None, g=None, mlp=None) -> dict:
     with torch.no_grad():  # biases of their own (the GPT starts them at zero): a bias
         for bias in (dense.c_fc.bias, dense.c_proj.bias):  # added t times must show
             bias.copy_(torch.randn(bias.shape, generator=seed))
+    dense = dense.to(device())
     untrained = copy.deepcopy(dense)  # no gradients yet, for torch's
     x = torch.randn(BATCH, 4, BLOCK_GPT["n_embd"], generator=torch.Generator().manual_seed(1))
+    x = x.to(device())
     x_dense = x.clone().requires_grad_(True)
     dense(x_dense).square().sum().backward()
     want = {"output": dense(x).detach(), "x": x_dense.grad} | _cut(dense, t, rank, grad=True)
@@ -155,4 +158,11 @@ def mlp_case(f=None, g=None, mlp=None) -> dict:
         found["swapped"] = F.linear(swapped, partial["proj_weight"]) + partial["proj_bias"]
     no_f = lambda *a: column_row(lambda x: x, reduce_from_tensor_model_parallel_region, *a)  # noqa: E731
     found["input gradient without f"] = _run(no_f, x, _shards(dense, t, rank))["x"]
-    return found
+    return _on_cpu(found)
+
+
+def _on_cpu(found):
+    """``found`` with every tensor on the CPU, for the notebook's process."""
+    if isinstance(found, dict):
+        return {k: _on_cpu(v) for k, v in found.items()}
+    return found.detach().cpu() if isinstance(found, torch.Tensor) else found
