@@ -43,5 +43,6 @@ def stub(name: str):
     def fn(*args, **kwargs):
         raise NotImplementedError
 
-    fn.__name__ = name
+    fn.__name__ = fn.__qualname__ = name
+    fn.__code__ = fn.__code__.replace(co_name=name, co_qualname=name)
     return fn

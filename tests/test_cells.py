@@ -48,7 +48,7 @@ def test_an_exercise_says_correct_wrong_or_not_attempted(capsys):
     with pytest.raises(AssertionError, match="x=1: got 1, expected 2"):
         check_double(lambda x: x * x)
     assert not check_double(stub)
-    assert capsys.readouterr().out.startswith("Not attempted yet: write the body of stub()")
+    assert capsys.readouterr().out.startswith("Not attempted yet: write stub()")
 
 
 def rank_zero_stub():

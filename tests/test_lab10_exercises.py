@@ -116,7 +116,7 @@ def test_the_worked_solution_passes_and_the_stubs_are_not_attempted(capsys):
     assert capsys.readouterr().out.startswith("Correct: torch DDP's gradients on 2 and 3 ranks")
     assert not exercises.check_ddp_hook(stub("autograd_hook"), stub("finalize_backward"))
     out = capsys.readouterr().out
-    assert out.startswith("Not attempted yet: write the body of autograd_hook()")
+    assert out.startswith("Not attempted yet: write autograd_hook()")
     with pytest.raises(AssertionError, match=r"finalize_backward\(\) still raises"):
         exercises.check_ddp_hook(HOOK, stub("finalize_backward"))
 

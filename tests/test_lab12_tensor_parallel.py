@@ -216,7 +216,7 @@ def test_check_f_and_g(capsys):
         exercises.check_f_and_g(f, SumsOnRankZero.apply, timeout=10)
     assert "called on some ranks only" in str(info.value)
     assert not exercises.check_f_and_g(stub("f"), g)
-    assert capsys.readouterr().out.startswith("Not attempted yet: write the body of f()")
+    assert capsys.readouterr().out.startswith("Not attempted yet: write f()")
 
 
 def swaps_f_and_g(x, fc_weight, fc_bias, proj_weight, proj_bias):

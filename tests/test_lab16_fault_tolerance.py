@@ -312,4 +312,4 @@ def test_check_training_state(capsys):
     assert "does your restore() wait for a message" in str(info.value)
     capsys.readouterr()
     assert not check(stub("training_state"), stub("restore"))
-    assert capsys.readouterr().out.startswith("Not attempted yet: write the body of training_state")
+    assert capsys.readouterr().out.startswith("Not attempted yet: write training_state")

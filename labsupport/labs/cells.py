@@ -18,6 +18,7 @@ import contextlib
 import functools
 import inspect
 import os
+import re
 import sysconfig
 import traceback
 from pathlib import Path
@@ -42,6 +43,23 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
+
+
+def _stub_name(exc: BaseException, default: str) -> str:
+    """The function whose body is still the stub: the innermost of the learner's frames
+    (outside the library) that ``exc`` passed through, here or on a rank (a method as
+    ``Class.method`` here); ``default`` if there is none."""
+    if isinstance(exc, LaunchError):
+        text = exc.failures[exc.root_rank].traceback
+        frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)', text)
+    else:
+        frames, tb = [], exc.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            frames.append((code.co_filename, code.co_qualname))
+            tb = tb.tb_next
+    learners = [name for path, name in frames if not _in_library(path)]
+    return learners[-1] if learners else default
 
 
 def _not_attempted(exc: BaseException) -> bool:
@@ -80,6 +98,13 @@ _LIBRARY = tuple(
 )
 
 
+def _in_library(filename: str) -> bool:
+    """Whether code from ``filename`` is the library's, Python's or a package's."""
+    if filename.startswith("<"):  # "<frozen ...>" is Python's own; "<ipython-...>" a cell
+        return filename.startswith("<frozen")
+    return os.path.realpath(filename).startswith(_LIBRARY)
+
+
 def _learners_traceback(exc: BaseException, fn, check):
     """The part of ``exc``'s traceback from the first frame of the learner's code on, or
     ``None`` when the exception never passed through it. The learner's code is ``fn``
@@ -91,10 +116,7 @@ def _learners_traceback(exc: BaseException, fn, check):
     def learners(code) -> bool:
         if code is own:
             return True
-        if code.co_filename.startswith("<"):  # "<frozen ...>" is Python's own
-            return not code.co_filename.startswith("<frozen")
-        path = os.path.realpath(code.co_filename)
-        return path != checkers and not path.startswith(_LIBRARY)
+        return os.path.realpath(code.co_filename) != checkers and not _in_library(code.co_filename)
 
     tb = exc.__traceback__
     while tb is not None and not learners(tb.tb_frame.f_code):
@@ -154,7 +176,7 @@ def exercise(check):
         except (NotImplementedError, LaunchError) as exc:
             if not _not_attempted(exc):
                 raise  # a rank's error: the launcher shows the rank's own traceback
-            print(f"Not attempted yet: write the body of {name}() above, then run this cell.")
+            print(f"Not attempted yet: write {_stub_name(exc, name)}(), then run this cell.")
             return Checked(False)
         except Exception as exc:
             _as_verdict(exc, fn, check)
