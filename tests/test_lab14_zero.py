@@ -180,7 +180,7 @@ class Sharded:
         self.gather()
 
     def gather(self):
-        full = torch.empty(self.n * self.world)
+        full = torch.empty(self.n * self.world, device=self.shard.device)
         dist.all_gather_single(full, self.shard.detach())
         with torch.no_grad():
             start = 0

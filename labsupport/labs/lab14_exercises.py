@@ -123,7 +123,9 @@ def zero1_case(cls, steps: int = STEPS) -> dict:
                 "params": _named(model),
                 "reference": _named(reference),
                 "exp_avg": _flat(s["exp_avg"] for s in states) if all(states) else None,
-                "reference exp_avg": _flat(ref_opt.state[p]["exp_avg"] for p in ref_opt.state),
+                "reference exp_avg": _flat(
+                    ref_opt.state[p]["exp_avg"] for p in reference.parameters()
+                ),
             }
         )
     found["torch"] = _torch_zero(steps)
