@@ -1,8 +1,8 @@
-"""The efficiency model's fit: three parameters, fitted once on four published runs,
+"""The efficiency model's fit: two parameters, fitted once on four published runs,
 checked on every other.
 
-:func:`fit` chooses :class:`~labsupport.estimate.compute.Efficiency`'s ``gemm``,
-``overhead_s`` and ``passes`` to minimise the mean squared log error of the predicted
+:func:`fit` chooses :class:`~labsupport.estimate.compute.Efficiency`'s ``gemm`` and
+``passes`` to minimise the mean squared log error of the predicted
 throughput over the rows of :data:`labsupport.estimate.runs.TRAINING` (four rows of
 Narayanan et al.'s table 1, 1.7 B to 1 T parameters), by a coordinate search in log space
 from a fixed start (deterministic, standard library only). The result, rounded, is
@@ -20,7 +20,7 @@ from labsupport.estimate.compute import FITTED, Efficiency
 from labsupport.estimate.planner import evaluate
 from labsupport.estimate.runs import runs
 
-START = Efficiency(gemm=0.7, overhead_s=1e-5, passes=4.0)
+START = Efficiency(gemm=0.7, passes=4.0)
 
 
 def predict(row: dict, eff: Efficiency = FITTED) -> dict:

@@ -3,17 +3,15 @@
 Each GEMM ``(m × k) @ (k × n)`` (``batch`` of them in one call) costs ``2·m·k·n`` FLOPs
 and moves ``2·(m·k + k·n + m·n)`` bytes (16-bit); the roofline gives the longer of the two
 (Williams et al. 2009, :mod:`labsupport.estimate.roofline`), and the efficiency model
-(:class:`Efficiency`) three things the roofline leaves out:
+(:class:`Efficiency`) two things the roofline leaves out:
 
-* ``gemm``: the share of the dense peak a large GEMM reaches (tiles, clocks, tails);
-* ``overhead_s``: seconds every GEMM call pays whatever its size (launch, the last
-  partial wave): what makes small per-GPU GEMMs inefficient;
+* ``gemm``: the share of the dense peak a GEMM reaches (tiles, clocks, tails);
 * ``passes``: how many times, over the forward and backward passes, each byte of the
   activations a layer produces (:meth:`~labsupport.estimate.architecture.Transformer.
   activation_bytes`) crosses memory in the kernels that are not GEMMs (norms, GELU,
   dropout, softmax, residual additions): memory-bound time, ``passes · bytes / bandwidth``.
 
-The three numbers are fitted once, on the training runs of
+The two numbers are fitted once, on the training runs of
 :mod:`labsupport.estimate.calibration`, and used for every layout and every run.
 
 GPU memory is what the device reports (:data:`REPORTED_MEMORY`), not the datasheet's
@@ -33,17 +31,14 @@ class Efficiency:
     """The efficiency model's parameters (see the module's docstring)."""
 
     gemm: float
-    overhead_s: float
     passes: float
 
 
-FITTED = Efficiency(gemm=0.641, overhead_s=0.0, passes=6.48)
+FITTED = Efficiency(gemm=0.641, passes=6.48)
 """The parameters :func:`labsupport.estimate.calibration.fit` finds on its training runs
 (:data:`labsupport.estimate.runs.TRAINING`, four rows of Narayanan et al. 2021's table 1),
-rounded; one set for every device, model and layout. Large GEMMs at 64 % of the dense
-peak; each activation byte through memory 6.5 times in the kernels that are not GEMMs;
-the per-GEMM overhead fits to zero (3·10⁻¹² s): on these runs the size trend is carried by
-the memory-bound kernels and the exposed reductions."""
+rounded; one set for every device, model and layout: GEMMs at 64 % of the dense peak,
+each activation byte through memory 6.5 times in the kernels that are not GEMMs."""
 
 REPORTED_MEMORY = {
     "A100 SXM 80GB": 81920 * MiB,
@@ -76,11 +71,10 @@ FP8_PEAK = {"H100 SXM": 1979e12, "H800 SXM": 1979e12}
 
 
 def gemm_seconds(m, k, n, peak, bandwidth, eff: Efficiency, batch: int = 1) -> float:
-    """One GEMM call: the roofline's time at ``eff.gemm`` of ``peak``, plus the fixed
-    ``eff.overhead_s``."""
+    """One GEMM call: the roofline's time, its compute at ``eff.gemm`` of ``peak``."""
     flops = 2 * m * k * n * batch
     moved = 2 * batch * (m * k + k * n + m * n)
-    return max(flops / (eff.gemm * peak), moved / bandwidth) + eff.overhead_s
+    return max(flops / (eff.gemm * peak), moved / bandwidth)
 
 
 def layer_gemms(model, tokens: float, tp: int = 1, ep: int = 1, moe: bool = False) -> dict:
@@ -130,7 +124,7 @@ def layer_seconds(model, tokens, spec, eff: Efficiency, *, tp=1, ep=1, moe=False
     core = sum(gemm_seconds(m, k, n, peak, bw, eff, b) for m, k, n, b in gemms["core"])
     if fused:  # FlashAttention: the scores stay on chip, one kernel forward, two backward
         flops = sum(2 * m * k * n * b for m, k, n, b in gemms["core"])
-        core = flops / (eff.gemm * peak) + eff.overhead_s
+        core = flops / (eff.gemm * peak)
     kept = model.activation_bytes("none", tp, run.get("sequence_parallel", False), fused, moe)
     memory_bound = eff.passes * kept * tokens / bw
     forward = linear + core
