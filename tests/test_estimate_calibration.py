@@ -8,6 +8,7 @@ Nothing here starts a process: the planner gives the same answer on every machin
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -213,3 +214,34 @@ def test_changing_one_assumption_changes_the_ranking():
     assert hidden[0]["layout"].zero == 3  # ZeRO-3's gathers hidden behind compute
     assert exposed[0]["layout"].zero < 3
     assert hidden[0]["layout"].mesh != exposed[0]["layout"].mesh
+
+
+def test_the_calculators_constants_are_the_models_and_need_no_torch():
+    import subprocess
+    import sys
+
+    from labsupport.estimate import memory
+    from labsupport.models.gpt import RECOMPUTE
+    from labsupport.models.mlp import BLOCK_UNITS
+
+    assert memory.RECOMPUTE == RECOMPUTE and memory.BLOCK_UNITS == BLOCK_UNITS
+    # the planner's modules import neither PyTorch, NumPy nor the models
+    package = str(Path(memory.__file__).resolve().parents[1])
+    code = (
+        "import sys, types; sys.modules['labsupport'] = types.ModuleType('labsupport'); "
+        f"sys.modules['labsupport'].__path__ = [{package!r}]; "
+        "import labsupport.estimate.calibration, labsupport.estimate.published; "
+        "print(sorted(m for m in ('torch', 'numpy', 'labsupport.models') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("n", "stride"), [(1, 1), (2, 1), (8, 1), (3, 8), (16, 8)])
+def test_the_planners_ring_all_reduce_is_the_comm_modules(n, stride):
+    from labsupport.comm.cost import all_reduce_time
+    from labsupport.estimate.step import _beta, ring_all_reduce_time
+
+    got = ring_all_reduce_time(SMALL, n, 1e9, stride)
+    want = all_reduce_time("ring", n, 1e9, SMALL.alpha, _beta(SMALL, stride, n))
+    assert got == pytest.approx(float(want), rel=1e-12)

@@ -12,7 +12,6 @@ NVLink when its group fits in a node, over the network otherwise.
 
 from __future__ import annotations
 
-from labsupport.comm.cost import all_reduce_time
 from labsupport.estimate.architecture import Transformer
 from labsupport.estimate.compute import FITTED, gpu_spec, layer_seconds, output_layer_seconds
 from labsupport.estimate.context_parallel import bytes_per_rank
@@ -27,9 +26,15 @@ def _beta(cluster: Cluster, stride: int, size: int) -> float:
     return 1 / (cluster.intra_node if inside else cluster.inter_node)
 
 
-def _ring(cluster, n, nbytes, stride) -> float:
-    """A ring all-reduce of ``nbytes`` over ``n`` ranks ``stride`` apart."""
-    return float(all_reduce_time("ring", n, nbytes, cluster.alpha, _beta(cluster, stride, n)))
+def ring_all_reduce_time(cluster, n, nbytes, stride) -> float:
+    """A ring all-reduce of ``nbytes`` over ``n`` ranks ``stride`` apart in the alpha-beta
+    model, ``2(n-1)·α + 2(n-1)/n·S·β``: :func:`labsupport.comm.cost.all_reduce_time`'s
+    ring (a test checks they agree), here in plain Python so that the planner runs
+    without NumPy or PyTorch (in a browser)."""
+    if n == 1:
+        return 0.0
+    beta = _beta(cluster, stride, n)
+    return 2 * (n - 1) * cluster.alpha + 2 * (n - 1) / n * nbytes * beta
 
 
 def step_time(
@@ -70,7 +75,7 @@ def step_time(
     rerun = layout.recompute == "full"
     tp = 0.0
     if t > 1:  # 2 all-reduces forward, 2 backward per layer, 2 more if the forward reruns
-        tp = m * layers * (6 if rerun else 4) * _ring(cluster, t, activation, 1)
+        tp = m * layers * (6 if rerun else 4) * ring_all_reduce_time(cluster, t, activation, 1)
     context = 0.0
     if cp > 1:  # all-gather K, V forward; all-gather and reduce-scatter backward
         w = model.widths
@@ -118,7 +123,9 @@ def _data_parallel(cluster, layout, params, m, slot) -> float:
     for count, n, stride in groups:
         if n < 2 or not count:
             continue
-        half = _ring(cluster, n, 2 * count, stride) / 2  # bf16 gradients (and weights)
+        half = (
+            ring_all_reduce_time(cluster, n, 2 * count, stride) / 2
+        )  # bf16 gradients (and weights)
         forward, backward = slot / 3, 2 * slot / 3  # a reduce-scatter or an all-gather
         if not layout.dp_overlap:
             forward = backward = 0.0
