@@ -1,8 +1,9 @@
-"""Published 3D layouts, with the models and clusters they ran on, for the planner.
+"""Published layouts, with the models and clusters they ran on, for the planner.
 
 Each entry says what its source says; where the source leaves a setting open (the
 micro-batch of the trillion-parameter run, the number of interleaved chunks), the entry
-leaves it to :func:`labsupport.estimate.planner.plan` and says so.
+takes a stated value (``assumed``), never the planner's fastest. :func:`as_published`
+evaluates an entry as published, :func:`check` also ranks its mesh among the planner's.
 
 * **BLOOM-176B** (BigScience 2022): the training script ``tr11-176B-ml.slurm`` and its
   README in ``bigscience-workshop/bigscience/train/tr11-176B-ml``: 48 nodes of 8 A100
@@ -11,17 +12,18 @@ leaves it to :func:`labsupport.estimate.planner.plan` and says so.
   equivalent"), full activation checkpointing, no interleaving (DeepSpeed's pipeline);
   4 Omni-Path 100 Gb/s links per node; 149.8 TFLOP/s per GPU logged at the end of the
   first epoch, counted with recomputation (8 FLOPs per parameter and token). The entry
-  models the data axis as ZeRO-1 (``zero=1``: a reduce-scatter partly hidden behind the
-  last backward pass, then an all-gather). DeepSpeed's BF16 optimizer (``_bf16_reduce_grads``
-  in ``runtime/pipe/engine.py``, mid-2022) instead all-reduces the fp32 gradient buffer in
-  bf16 after the last backward pass, steps Adam on its shard and all-gathers the bf16
-  weights, none of it overlapped: under the planner's cost model about 1.6 s more per step
-  (106.5 s instead of 104.9 s).
+  models the data axis as ZeRO-1 with nothing overlapped (``zero=1, dp_overlap=False``: a
+  reduce-scatter and an all-gather after the last backward pass). DeepSpeed's BF16
+  optimizer (``_bf16_reduce_grads`` in ``runtime/pipe/engine.py``, mid-2022) instead
+  all-reduces the fp32 gradient buffer in bf16 after the last backward pass, steps Adam on
+  its shard and all-gathers the bf16 weights, none of it overlapped: under the planner's
+  cost model half as much again (3.3 s instead of 2.2 s per step).
 * **GPT-3 175B** (Narayanan et al. 2021, table 2, PTD parallelism on 1,536 GPUs): model
   parallel size 96 (tensor 8 inside a DGX A100, pipeline 12), data 16, global batch
   1,536, micro-batch 1, 141 TFLOP/s per GPU; Selene: 8 A100 80GB per node with NVSwitch,
-  8 HDR 200 Gb/s InfiniBand adapters per node; the interleaved schedule (section 5.1),
-  activation recomputation, plain data-parallel all-reduce.
+  8 HDR 200 Gb/s InfiniBand adapters per node; activation recomputation, a plain
+  data-parallel all-reduce after the pipeline flush; the paper does not say whether these
+  rows used its interleaved schedule (the entry assumes not).
 * **The 1T model** (Narayanan et al. 2021, table 1, last row): 128 layers, hidden 25,600,
   160 heads, TP 8, PP 64, 3,072 GPUs (DP 6), global batch 3,072, 163 TFLOP/s per GPU.
 * **Llama 3 405B** (Grattafiori et al. 2024, table 4, 8K-token stage on 16,384 GPUs):
@@ -146,8 +148,16 @@ CLUSTERS = {
     ),
 }
 
-MEGATRON_2021 = {"recompute": "full", "sequence_parallel": False, "dp_overlap": False}
-MEGATRON_2021 |= {"fused_attention": False}
+MEGATRON_2021 = {
+    "recompute": "full",
+    "sequence_parallel": False,
+    "dp_overlap": False,
+    "fused_attention": False,
+}
+"""What Megatron-LM and DeepSpeed did in 2021-22: full recomputation, no sequence
+parallelism (2022), gradients reduced after the pipeline flush (Megatron-LM's
+``allreduce_gradients`` after ``forward_backward_func``), a fused softmax but no
+FlashAttention (2022)."""
 
 PUBLISHED = [
     {

@@ -15,9 +15,8 @@ a source, never the planner's fastest.
 * **PTD-P, table 2**: GPT-3 175 B (model parallel 96: TP 8 × PP 12) at a global batch of
   1,536 on 384, 768 and 1,536 GPUs, 153, 149 and 141 TFLOP/s; the 530 B model (TP 8 × PP
   35) at 2,240 on 560, 1,120 and 2,240 GPUs, 171, 167 and 159; micro-batch 1.
-* The 2021 Megatron-LM reduced data-parallel gradients after the pipeline flush (its
-  ``allreduce_gradients`` after ``forward_backward_func``), and fused the softmax but did
-  not use FlashAttention (2022): ``dp_overlap=False, fused_attention=False``.
+* The 2021 Megatron-LM reduced data-parallel gradients after the pipeline flush and had
+  no FlashAttention: :data:`labsupport.estimate.published.MEGATRON_2021`.
 * **BLOOM-176B**, **Llama 3 405B** and **DeepSeek-V3**: :mod:`labsupport.estimate.published`.
 """
 
@@ -26,7 +25,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from labsupport.estimate.planner import Layout, Transformer
-from labsupport.estimate.published import CLUSTERS, MODELS, PUBLISHED
+from labsupport.estimate.published import CLUSTERS, MEGATRON_2021, MODELS, PUBLISHED
 
 PTDP_TABLE_1 = [
     # billions of parameters, heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU
@@ -54,15 +53,10 @@ PTDP_TABLE_2 = [
 ]
 """Narayanan et al. 2021, table 2, the PTD-P rows."""
 
-MEGATRON_2021 = {
-    "zero": 0,
-    "micro_batch": 1,
-    "recompute": "full",
-    "sequence_parallel": False,
-    "dp_overlap": False,
-    "fused_attention": False,
-}
-"""How the 2021 Megatron-LM runs ran (module docstring)."""
+PTDP = {"zero": 0, "micro_batch": 1} | MEGATRON_2021
+"""The PTD-P rows' layout settings: plain data parallelism, micro-batch 1 (table 2's, and
+assumed for table 1), the 2021 framework
+(:data:`labsupport.estimate.published.MEGATRON_2021`)."""
 
 ASSUMED_2021 = "micro-batch 1, no interleaving"
 
@@ -96,7 +90,7 @@ def runs() -> list[dict]:
     rows = []
     for billions, a, h, layers, t, p, n, batch, tflops in PTDP_TABLE_1:
         name = f"PTD-P {billions}B"
-        layout = Layout(n // (t * p), t, p, **MEGATRON_2021)
+        layout = Layout(n // (t * p), t, p, **PTDP)
         rows.append(
             _row(
                 name,
@@ -113,7 +107,7 @@ def runs() -> list[dict]:
         )
     shapes = {"GPT-3 175B": MODELS["GPT-3 175B"], "GPT 530B": _gpt("GPT 530B", 128, 20480, 105)}
     for billions, model, t, p, n, batch, tflops in PTDP_TABLE_2:
-        layout = Layout(n // (t * p), t, p, **MEGATRON_2021)
+        layout = Layout(n // (t * p), t, p, **PTDP)
         name = f"PTD-P {billions}B, {n:,} GPUs"
         rows.append(
             _row(
