@@ -245,3 +245,21 @@ def test_the_planners_ring_all_reduce_is_the_comm_modules(n, stride):
     got = ring_all_reduce_time(SMALL, n, 1e9, stride)
     want = all_reduce_time("ring", n, 1e9, SMALL.alpha, _beta(SMALL, stride, n))
     assert got == pytest.approx(float(want), rel=1e-12)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_layers_time_is_its_gemms_three_times_the_reruns_and_the_memory_bound_kernels(recompute):
+    from labsupport.estimate.compute import layer_seconds
+
+    gpt = Transformer("GPT", 2, 2048, 16, 1024, 1000)
+    eff = Efficiency(gemm=0.5, passes=3.0)
+    found = layer_seconds(gpt, 1024, A100, eff, tp=2, recompute=recompute)
+    gemms = layer_gemms(gpt, 1024, tp=2)
+    forward = sum(
+        gemm_seconds(*g[:3], 312e12, 2039e9, eff, g[3]) for kind in gemms.values() for g in kind
+    )
+    core = sum(gemm_seconds(*g[:3], 312e12, 2039e9, eff, g[3]) for g in gemms["core"])
+    memory_bound = 3.0 * gpt.activation_bytes("none", 2) * 1024 / 2039e9
+    rerun = {"none": 0, "selective": core, "full": forward}[recompute]
+    assert found["forward"] == pytest.approx(forward)
+    assert found["total"] == pytest.approx(3 * forward + rerun + memory_bound)
