@@ -81,6 +81,7 @@ def test_the_assumption_checker_wants_one_assumption_that_moves_the_ranking():
         (lab.check_coords, "my_coords"),
         (lab.check_tp_bytes, "tp_bytes"),
         (lab.check_states_per_gpu, "states_per_gpu"),
+        (lab.check_assumption, "one_assumption"),
     ],
 )
 def test_checkers_accept_the_solutions_and_say_not_attempted_to_the_stub(check, name, capsys):

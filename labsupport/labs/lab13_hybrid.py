@@ -122,6 +122,7 @@ from labsupport.labs.lab13_planner import (  # noqa: E402, F401
     check_assumption,
     checked,
     explorer,
+    mesh_label,
     plan_rows,
     published_rows,
     published_tables,

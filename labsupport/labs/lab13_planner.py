@@ -31,7 +31,8 @@ def checked() -> dict:
     return {entry["name"]: check(entry) for entry in PUBLISHED}
 
 
-def _mesh(layout) -> str:
+def mesh_label(layout) -> str:
+    """``dp x tp x pp``, with ``cp`` and ``ep`` when they are above 1."""
     dp, tp, cp, pp, ep = layout.axes
     extra = (f" cp{cp}" if cp > 1 else "") + (f" ep{ep}" if ep > 1 else "")
     return f"{dp}x{tp}x{pp}{extra}"
@@ -51,11 +52,11 @@ def published_rows(checks: dict) -> list[dict]:
         rows.append(
             {
                 "run": entry["name"],
-                "d x t x p": _mesh(entry["layout"]),
+                "d x t x p": mesh_label(entry["layout"]),
                 "GB/GPU": f"{p['memory'] / 1e9:.0f} of {capacity / 1e9:.1f}",
                 "fits": "yes" if p["fits"] else "no",
                 "rank": rank,
-                "best": _mesh(best["layout"]),
+                "best": mesh_label(best["layout"]),
                 "vs best": "-" if gap is None else f"+{gap:.0%}",
             }
         )
