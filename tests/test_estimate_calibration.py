@@ -75,6 +75,18 @@ def test_deepseek_v3_total_and_active_parameters_are_the_moe_modules():
     assert round(found.params() / 1e9) == 671
 
 
+def test_an_moe_layers_activations_by_hand():
+    m, h = MODELS["DeepSeek-V3"], 7168
+    # norms 4h, QKV input 2h; Q, K of 128 heads of 192, V and the output of 128 heads of
+    # 128; the MoE's input 2h and 8 routed copies of it, 8 bytes per width of each of
+    # the 8 routed experts and the shared one
+    qkvo = 2 * 128 * (192 + 192 + 128 + 128)
+    want = 6 * h + qkvo + 2 * h * 9 + 8 * 2048 * 9
+    assert m.activation_bytes("selective", moe=True) == want == 483328
+    dense = 6 * h + qkvo + 2 * h + 8 * 18432  # a dense layer's SwiGLU of 18,432
+    assert m.activation_bytes("selective") == dense
+
+
 def test_an_moe_layers_gemms_share_the_tokens_among_the_experts():
     m = MODELS["DeepSeek-V3"]
     gemms = layer_gemms(m, 4096, tp=1, ep=64, moe=True)["linear"]

@@ -174,10 +174,9 @@ class Transformer:
         mask = 1 if gpt else 0
         split = 2 * (w["q"] + w["k"] + w["v"] + w["o"])
         unsplit = 4 * h + 2 * h + mask * h  # norms, QKV input, attention's dropout mask
-        if moe:
-            copies = self.top_k + 0  # one expert input per routed copy
+        if moe:  # the MLP's input, and an expert's input per routed copy of the token
             split += 8 * self.expert_ffn * (self.top_k + self.n_shared)
-            unsplit += 2 * h * (1 + copies)
+            unsplit += 2 * h * (1 + self.top_k)
         else:
             split += (8 if self.family == "llama" else 4) * self._ffn()
             unsplit += 2 * h + mask * h
