@@ -148,16 +148,33 @@ CLUSTERS = {
     ),
 }
 
-MEGATRON_2021 = {
-    "recompute": "full",
-    "sequence_parallel": False,
-    "dp_overlap": False,
-    "fused_attention": False,
+FRAMEWORKS = {
+    "Megatron-LM and DeepSpeed, 2021-22": {
+        "recompute": "full",
+        "sequence_parallel": False,
+        "dp_overlap": False,
+        "fused_attention": False,
+    },
+    "Llama 3 (PyTorch FSDP)": {"dp_overlap": True, "fused_attention": True},
+    "DeepSeek-V3 (HAI-LLM)": {
+        "sequence_parallel": False,
+        "dp_overlap": True,
+        "a2a_overlap": True,
+        "fused_attention": True,
+        "fp8": True,
+    },
 }
-"""What Megatron-LM and DeepSpeed did in 2021-22: full recomputation, no sequence
-parallelism (2022), gradients reduced after the pipeline flush (Megatron-LM's
-``allreduce_gradients`` after ``forward_backward_func``), a fused softmax but no
-FlashAttention (2022)."""
+"""What each framework did, as layout settings. Megatron-LM and DeepSpeed in 2021-22: full
+recomputation, no sequence parallelism (2022), gradients reduced after the pipeline flush
+(Megatron-LM's ``allreduce_gradients`` after ``forward_backward_func``; DeepSpeed's BF16
+optimizer after the last backward pass), a fused softmax but no FlashAttention (2022).
+Llama 3: FSDP's reduce-scatters overlapped with the backward pass, FlashAttention.
+DeepSeek-V3: DualPipe's overlap of the all-to-alls with computation, FP8 GEMMs (its
+sections 3.2 and 3.3)."""
+
+MEGATRON_2021 = FRAMEWORKS["Megatron-LM and DeepSpeed, 2021-22"]
+LLAMA_3 = FRAMEWORKS["Llama 3 (PyTorch FSDP)"]
+DEEPSEEK = FRAMEWORKS["DeepSeek-V3 (HAI-LLM)"]
 
 PUBLISHED = [
     {
@@ -198,7 +215,7 @@ PUBLISHED = [
         "model": "Llama 3 405B",
         "cluster": "Meta RoCE, 16,384 H100",
         "global_batch": 2048,
-        "layout": Layout(128, 8, 16, zero=2, chunks=2),
+        "layout": Layout(128, 8, 16, zero=2, chunks=2, **LLAMA_3),
         "assumed": "2 chunks per pipeline rank",
         "tflops": 400,
         "counted": "model FLOPs (MFU)",
@@ -210,7 +227,7 @@ PUBLISHED = [
         "cluster": "Meta RoCE, 16,384 H100",
         "gpus": 8192,
         "global_batch": 2048,
-        "layout": Layout(64, 8, 16, zero=2, chunks=2),
+        "layout": Layout(64, 8, 16, zero=2, chunks=2, **LLAMA_3),
         "assumed": "2 chunks per pipeline rank",
         "tflops": 430,
         "counted": "model FLOPs (MFU)",
@@ -221,7 +238,7 @@ PUBLISHED = [
         "model": "Llama 3 405B, 128K",
         "cluster": "Meta RoCE, 16,384 H100",
         "global_batch": 128,
-        "layout": Layout(8, 8, 16, zero=2, chunks=2, cp=16),
+        "layout": Layout(8, 8, 16, zero=2, chunks=2, cp=16, **LLAMA_3),
         "assumed": "2 chunks per pipeline rank",
         "tflops": 380,
         "counted": "model FLOPs (MFU)",
@@ -232,9 +249,7 @@ PUBLISHED = [
         "model": "DeepSeek-V3",
         "cluster": "DeepSeek, 2,048 H800",
         "global_batch": 15360,
-        "layout": Layout(
-            128, 1, 16, zero=1, chunks=2, ep=64, a2a_overlap=True, fp8=True, sequence_parallel=False
-        ),
+        "layout": Layout(128, 1, 16, zero=1, chunks=2, ep=64, **DEEPSEEK),
         "assumed": "micro-batch 1; DualPipe as 2 chunks",
         "tokens_per_s": 1e12 / (180e3 * 3600),
         "counted": "model FLOPs (from tokens/s)",
