@@ -1,8 +1,11 @@
 """Lab 13, hybrid (3D) parallelism: the course GPT trained data x tensor x pipeline
 parallel on 8 ranks, its traffic counted per axis, the mesh in two rank orders and in
-PyTorch's ``DeviceMesh``, the planner on published runs, and the exercises' checkers.
+PyTorch's ``DeviceMesh``, and the checkers of exercises 2 and 3 (exercise 1's is
+:mod:`labsupport.labs.lab13_mesh`; the planner's tables and exercise 4's checker are
+:mod:`labsupport.labs.lab13_planner`, imported here for the notebook's ``lab.``).
 
-The training is :func:`labsupport.parallel.hybrid.train_3d`, the mesh
+The training loop is the notebook's, around :class:`labsupport.parallel.hybrid.Hybrid3D`
+(:func:`~labsupport.parallel.hybrid.train_3d` is the same loop), the mesh
 :class:`labsupport.parallel.parallel_state.Mesh`, the planner
 :mod:`labsupport.estimate.planner` with :mod:`labsupport.estimate.published`.
 """
@@ -18,7 +21,6 @@ from labsupport.estimate.memory import training_memory
 from labsupport.labs.cells import exercise
 from labsupport.launch.runtime import device
 from labsupport.parallel.hybrid import train_3d
-from labsupport.parallel.parallel_state import Mesh
 from labsupport.parallel.pipeline_parallel import partition
 
 #: The lab's GPT and run: 2 layers, so that 2 pipeline stages hold one block each.
@@ -30,15 +32,21 @@ MICROBATCHES, STEPS, BATCH, LR = 2, 3, 8, 1e-2
 ORDERS = {"Megatron-LM (default)": "tp-dp-pp", "Llama 3": "tp-pp-dp"}
 
 
-def train_3d_counted(dp=DP, tp=TP, pp=PP, microbatches=MICROBATCHES, steps=STEPS):
-    """:func:`labsupport.parallel.hybrid.train_3d` on this rank, which prints its
-    coordinates and groups, with its traffic counted per axis: the collectives on its
-    tensor-parallel group (all-reduces) and on its data-parallel group (ZeRO-1's
-    reduce-scatter, all-gather and the all-reduce of which parameters got a gradient),
-    the point-to-point messages the pipeline's. Returns ``train_3d``'s result and the
-    bytes this rank sent per step on each axis."""
+def lab_train(dp=DP, tp=TP, pp=PP, steps=STEPS) -> dict:
+    """:func:`labsupport.parallel.hybrid.train_3d` with the lab's model and run (the
+    notebook writes the same loop out)."""
+    return train_3d(CONFIG, dp, tp, pp, MICROBATCHES, steps, BATCH, LR)
+
+
+def train_3d_counted(train=lab_train, dp=DP, tp=TP, pp=PP, steps=STEPS):
+    """``train(dp, tp, pp, steps)`` (the notebook's loop, or :func:`lab_train`) on this
+    rank, which prints its coordinates and groups, with its traffic counted per axis: the
+    collectives on its tensor-parallel group (all-reduces) and on its data-parallel group
+    (ZeRO-1's reduce-scatter, all-gather and the all-reduce of which parameters got a
+    gradient), the point-to-point messages the pipeline's. Returns ``train``'s result
+    and the bytes this rank sent per step on each axis."""
     with traced.trace_collectives() as trace, p2p.count_traffic() as messages:
-        out = train_3d(CONFIG, dp, tp, pp, microbatches, steps, BATCH, LR)
+        out = train(dp, tp, pp, steps)
     c, g = out["coords"], out["groups"]
     print(
         f"tp={c['tp']} dp={c['dp']} pp={c['pp']}: "
@@ -94,19 +102,23 @@ def expected_traffic(coords: dict, dp=DP, tp=TP, pp=PP, microbatches=MICROBATCHE
     }
 
 
-def device_mesh_groups(dp=DP, tp=TP, pp=PP) -> dict:
-    """This rank's groups in PyTorch's ``init_device_mesh`` for both orders of
-    :data:`ORDERS`: the mesh's shape lists the axes slowest first."""
+def torch_groups(dp: int, tp: int, pp: int, order: str) -> dict:
+    """This rank's groups in PyTorch's ``init_device_mesh`` for the mesh of ``order``:
+    the mesh's shape lists the axes slowest first, the reverse of ``order``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    found = {}
-    for name, order in ORDERS.items():
-        axes = order.split("-")[::-1]  # slowest first
-        sizes = {"tp": tp, "dp": dp, "pp": pp}
-        mesh = init_device_mesh(
-            device().type, tuple(sizes[a] for a in axes), mesh_dim_names=tuple(axes)
-        )
-        found[name] = {a: dist.get_process_group_ranks(mesh.get_group(a)) for a in axes}
+    axes = order.split("-")[::-1]
+    sizes = {"tp": tp, "dp": dp, "pp": pp}
+    mesh = init_device_mesh(
+        device().type, tuple(sizes[a] for a in axes), mesh_dim_names=tuple(axes)
+    )
+    return {a: dist.get_process_group_ranks(mesh.get_group(a)) for a in axes}
+
+
+def device_mesh_groups(dp=DP, tp=TP, pp=PP) -> dict:
+    """This rank's groups in PyTorch's ``init_device_mesh`` for both orders of
+    :data:`ORDERS`."""
+    found = {name: torch_groups(dp, tp, pp, order) for name, order in ORDERS.items()}
     return {"rank": dist.get_rank(), "groups": found}
 
 
@@ -130,24 +142,6 @@ from labsupport.labs.lab13_planner import (  # noqa: E402, F401
 )
 
 # --------------------------------------------------------------------------- exercises
-
-
-@exercise
-def check_coords(fn) -> str:
-    """Exercise 1: ``fn(rank, dp, tp, pp)``, the rank's ``{"tp", "dp", "pp"}``
-    coordinates in Megatron's default order (tensor fastest, then data, then pipeline)."""
-    meshes = [(2, 2, 2), (2, 2, 4), (3, 2, 2), (8, 4, 12), (1, 8, 16)]
-    for dp, tp, pp in meshes:
-        mesh = Mesh(dp, tp, pp)
-        for rank in range(0, mesh.world_size, max(1, mesh.world_size // 40)):
-            got, want = fn(rank, dp, tp, pp), mesh.coords(rank)
-            hint = ""
-            if got == Mesh(dp, tp, pp, "pp-dp-tp").coords(rank):
-                hint = " (the tensor-parallel coordinate varies fastest, not slowest)"
-            assert got == want, (
-                f"rank {rank} of dp={dp}, tp={tp}, pp={pp}: got {got}, expected {want}{hint}"
-            )
-    return f"every rank (or every few) of {len(meshes)} meshes, BLOOM's 8 x 4 x 12 among them"
 
 
 @exercise
