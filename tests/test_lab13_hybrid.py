@@ -12,6 +12,7 @@ from test_lab07_collectives import checks
 from labsupport import launch
 from labsupport.estimate.memory import training_memory
 from labsupport.estimate.published import PUBLISHED
+from labsupport.estimate.runs import runs
 from labsupport.labs import lab13_hybrid as lab
 from labsupport.labs import lab13_mesh
 from labsupport.labs.cells import format_table
@@ -41,11 +42,21 @@ def test_init_device_mesh_makes_the_groups_of_mesh_in_both_orders():
 
 
 def test_the_planners_tables():
-    rows = lab.published_rows(lab.checked())
-    assert [row["model"] for row in rows] == [e["model"] for e in PUBLISHED]
+    checks = lab.checked()
+    rows = lab.published_rows(checks)
+    assert [row["run"] for row in rows] == [e["name"] for e in PUBLISHED]
     for row in rows:
-        rank, of = row["mesh rank"].split(" of ")
-        assert 1 <= int(rank) <= int(of)
+        if row["rank"] != "-":
+            rank, of = row["rank"].split(" of ")
+            assert 1 <= int(rank) <= int(of)
+    table = lab.calibration_rows()
+    assert {row["sample"] for row in table} == {"in", "out"}
+    assert len(table) == len(runs())
+    sensitivity = lab.sensitivity_rows()
+    assert [row["run"] for row in sensitivity] == list(lab.SENSITIVITY)
+    printed = [lab.published_tables(checks), format_table(table), format_table(sensitivity)]
+    for text in printed:
+        assert max(len(line) for line in text.splitlines()) <= 80
     top = lab.plan_rows("BLOOM-176B", "Jean Zay (BLOOM)", 2048, top=3)
     assert len(top) == 3
     steps = [float(row["step (s)"]) for row in top]
@@ -58,11 +69,23 @@ def test_the_planners_tables():
     assert "live widget" in repr(explorer)
 
 
+def test_the_assumption_checker_wants_one_assumption_that_moves_the_ranking():
+    assert lab.check_assumption(lambda: {"dp_overlap": (False,)})
+    assert lab.check_assumption(lambda: {"gemm": 0.3})
+    with pytest.raises(AssertionError, match="one assumption"):
+        lab.check_assumption(lambda: {"dp_overlap": (False,), "gemm": 0.3})
+    with pytest.raises(AssertionError, match="not an assumption"):
+        lab.check_assumption(lambda: {"speed": 2})
+    with pytest.raises(AssertionError, match="does not change the ranking"):
+        lab.check_assumption(lambda: {"fp8": (False,)})
+
+
 @pytest.mark.parametrize(
     ("check", "name"),
     [
         (lab.check_tp_bytes, "tp_bytes"),
         (lab.check_states_per_gpu, "states_per_gpu"),
+        (lab.check_assumption, "one_assumption"),
     ],
 )
 def test_checkers_accept_the_solutions_and_say_not_attempted_to_the_stub(check, name, capsys):

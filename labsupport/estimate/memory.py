@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import math
 
-from labsupport.models.gpt import RECOMPUTE
-from labsupport.models.mlp import BLOCK_UNITS
+RECOMPUTE = ("none", "selective", "full")
+"""Recomputation policies, :data:`labsupport.models.gpt.RECOMPUTE`'s (a test checks they
+agree): the calculators import no model, so that they run without PyTorch (in a browser)."""
+
+BLOCK_UNITS = 9
+"""Activation elements a residual MLP block keeps, in units of ``b·d``:
+:data:`labsupport.models.mlp.BLOCK_UNITS` (a test checks they agree)."""
 
 BYTES_PER_PARAM = {
     # ZeRO (Rajbhandari et al. 2020), section 3.1: fp16 weights and gradients, and an fp32

@@ -1,7 +1,8 @@
 """Lab 13, hybrid (3D) parallelism: the course GPT trained data x tensor x pipeline
 parallel on 8 ranks, its traffic counted per axis, the mesh in two rank orders and in
-PyTorch's ``DeviceMesh``, the planner on published runs, and the checkers of exercises 2
-and 3 (exercise 1's is :mod:`labsupport.labs.lab13_mesh`).
+PyTorch's ``DeviceMesh``, and the checkers of exercises 2 and 3 (exercise 1's is
+:mod:`labsupport.labs.lab13_mesh`; the planner's tables and exercise 4's checker are
+:mod:`labsupport.labs.lab13_planner`, imported here for the notebook's ``lab.``).
 
 The training loop is the notebook's, around :class:`labsupport.parallel.hybrid.Hybrid3D`
 (:func:`~labsupport.parallel.hybrid.train_3d` is the same loop), the mesh
@@ -11,17 +12,13 @@ The training loop is the notebook's, around :class:`labsupport.parallel.hybrid.H
 
 from __future__ import annotations
 
-import html
 import math
 
-import ipywidgets as widgets
 import torch.distributed as dist
 
 from labsupport.comm import p2p, traced
 from labsupport.estimate.memory import training_memory
-from labsupport.estimate.planner import best_per_mesh, plan
-from labsupport.estimate.published import CLUSTERS, MODELS, PUBLISHED, check
-from labsupport.labs.cells import exercise, format_table
+from labsupport.labs.cells import exercise
 from labsupport.launch.runtime import device
 from labsupport.parallel.hybrid import train_3d
 from labsupport.parallel.pipeline_parallel import partition
@@ -126,108 +123,23 @@ def device_mesh_groups(dp=DP, tp=TP, pp=PP) -> dict:
 
 
 # --------------------------------------------------------------------------- the planner
+# (labsupport.labs.lab13_planner; its names here for the notebook's ``lab.``)
 
-
-def checked() -> dict:
-    """:func:`labsupport.estimate.published.check` of every published run, by model."""
-    return {entry["model"]: check(entry) for entry in PUBLISHED}
-
-
-def published_rows(checks: dict) -> list[dict]:
-    """The planner on each published run (``checks``: :func:`checked`): the layout as
-    published, its predicted throughput next to the published one, where its mesh ranks."""
-    rows = []
-    for entry in PUBLISHED:
-        found = checks[entry["model"]]
-        p, best = found["published"], found["meshes"][0]
-        key = "tflops" if entry["counted"] == "with recomputation" else "model_tflops"
-        dp, tp, pp = entry["layout"].mesh
-        gap = found["mesh_best"]["step_s"] / best["step_s"] - 1
-        rows.append(
-            {
-                "model": entry["model"],
-                "GPUs": f"{dp * tp * pp:,}",
-                "published dp x tp x pp": f"{dp} x {tp} x {pp}",
-                "GB/GPU": f"{p['memory'] / 1e9:.0f}",
-                "TFLOP/s predicted": f"{p[key]:.0f}",
-                "published": f"{entry['tflops']:g}",
-                "mesh rank": f"{found['rank']} of {len(found['meshes'])}",
-                "planner's best": "{} x {} x {}".format(*best["layout"].mesh),
-                "published mesh vs best": f"+{gap:.0%}",
-            }
-        )
-    return rows
-
-
-def plan_rows(model: str, cluster: str, global_batch: int, top: int = 5) -> list[dict]:
-    """The ``top`` meshes the planner finds, each with its best layout: ``b`` is the
-    micro-batch in sequences, ``v`` the chunks per pipeline rank (interleaving), ``comm``
-    the communication left exposed (tensor, pipeline and data parallel together)."""
-    meshes = best_per_mesh(plan(MODELS[model], CLUSTERS[cluster], global_batch))
-    rows = []
-    for r in meshes[:top]:
-        lay, parts = r["layout"], r["parts"]
-        rows.append(
-            {
-                "dp x tp x pp": f"{lay.dp} x {lay.tp} x {lay.pp}",
-                "ZeRO": lay.zero,
-                "b": lay.micro_batch,
-                "v": lay.chunks,
-                "recompute": lay.recompute,
-                "GB/GPU": f"{r['memory'] / 1e9:.0f}",
-                "step (s)": f"{r['step_s']:.2f}",
-                "bubble (s)": f"{parts['bubble']:.2f}",
-                "comm (s)": f"{parts['tensor'] + parts['pipeline'] + parts['data']:.2f}",
-                "MFU": f"{r['mfu']:.0%}",
-            }
-        )
-    return rows
-
-
-class PlannerExplorer(widgets.interactive):
-    """The planner's widget; without a kernel it reads as one line."""
-
-    def __repr__(self) -> str:
-        return "Planner explorer: a live widget (run this cell in JupyterLab to use it)"
-
-    def describe(self) -> str:
-        """The table the controls show now."""
-        return format_table(plan_rows(**self.kwargs, top=8))
-
-
-def explorer() -> PlannerExplorer:
-    """Pick a published model, a cluster and a global batch (in sequences): the planner's
-    best meshes. It starts on GPT-3 175B's run on Selene (BLOOM's best meshes are printed
-    above it in the lab)."""
-    report = widgets.HTML()
-    style, layout = {"description_width": "120px"}, widgets.Layout(width="520px")
-
-    def show(model, cluster, global_batch):
-        rows = plan_rows(model, cluster, global_batch, top=8)
-        text = format_table(rows) if rows else "no layout fits in memory"
-        report.value = f"<pre>{html.escape(text)}</pre>"
-
-    start = PUBLISHED[1]
-
-    box = PlannerExplorer(
-        show,
-        model=widgets.Dropdown(
-            options=list(MODELS), value=start["model"], description="model", style=style
-        ),
-        cluster=widgets.Dropdown(
-            options=list(CLUSTERS), value=start["cluster"], description="cluster", style=style
-        ),
-        global_batch=widgets.SelectionSlider(
-            options=[256, 512, 1024, 1536, 2048, 3072, 4096],
-            value=start["global_batch"],
-            description="global batch",
-            style=style,
-            layout=layout,
-        ),
-    )
-    box.children = (*box.children, report)
-    return box
-
+from labsupport.labs.lab13_planner import (  # noqa: E402, F401
+    ASSUMPTION_RUN,
+    PUBLISHED_TABLES,
+    SENSITIVITY,
+    PlannerExplorer,
+    calibration_rows,
+    check_assumption,
+    checked,
+    explorer,
+    mesh_label,
+    plan_rows,
+    published_rows,
+    published_tables,
+    sensitivity_rows,
+)
 
 # --------------------------------------------------------------------------- exercises
 
