@@ -253,7 +253,7 @@ def test_check_accumulation(capsys):
 def test_check_saved_bytes(capsys):
     name = "saved_bytes_with_checkpoints"
     assert not lab04_one_device.check_saved_bytes(stub(name))
-    assert f"write the body of {name}()" in capsys.readouterr().out
+    assert f"write {name}()" in capsys.readouterr().out
     assert lab04_one_device.check_saved_bytes(solution(LAB, name))
     said = capsys.readouterr().out
     assert said.startswith("Correct: ") and "ceil" not in said

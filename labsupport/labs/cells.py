@@ -19,8 +19,10 @@ import functools
 import inspect
 import os
 import re
+import sys
 import sysconfig
 import traceback
+import types
 from pathlib import Path
 
 from labsupport.launch import launch
@@ -45,10 +47,10 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def _stub_name(exc: BaseException, default: str) -> str:
+def _stub_name(exc: BaseException, fn) -> str:
     """The function whose body is still the stub: the innermost of the learner's frames
-    (outside the library) that ``exc`` passed through, here or on a rank (a method as
-    ``Class.method`` here); ``default`` if there is none."""
+    (outside the library) that ``exc`` passed through, here or on a rank, a method as
+    ``Class.method``; ``fn``'s name if there is none."""
     if isinstance(exc, LaunchError):
         text = exc.failures[exc.root_rank].traceback
         frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)', text)
@@ -59,7 +61,23 @@ def _stub_name(exc: BaseException, default: str) -> str:
             frames.append((code.co_filename, code.co_qualname))
             tb = tb.tb_next
     learners = [name for path, name in frames if not _in_library(path)]
-    return learners[-1] if learners else default
+    if not learners:
+        return getattr(fn, "__name__", "your function")
+    return _as_method(learners[-1], fn)
+
+
+def _as_method(name: str, fn) -> str:
+    """``name``, from a rank's traceback (which names functions only), as ``Class.name``
+    when it is no function beside ``fn`` but a method of a class defined beside it: the
+    first such class, which in a lab is the first stub the checker calls."""
+    module = getattr(fn, "__module__", None)
+    namespace = getattr(fn, "__globals__", None) or vars(sys.modules.get(module, sys))
+    if "." in name or isinstance(namespace.get(name), types.FunctionType):
+        return name
+    for value in list(namespace.values()):
+        if isinstance(value, type) and value.__module__ == module and name in vars(value):
+            return f"{value.__qualname__}.{name}"
+    return name
 
 
 def _not_attempted(exc: BaseException) -> bool:
@@ -170,13 +188,12 @@ def exercise(check):
 
     @functools.wraps(check)
     def checker(fn, *args, **kwargs) -> Checked:
-        name = getattr(fn, "__name__", "your function")
         try:
             checked = check(fn, *args, **kwargs)
         except (NotImplementedError, LaunchError) as exc:
             if not _not_attempted(exc):
                 raise  # a rank's error: the launcher shows the rank's own traceback
-            print(f"Not attempted yet: write {_stub_name(exc, name)}(), then run this cell.")
+            print(f"Not attempted yet: write {_stub_name(exc, fn)}(), then run this cell.")
             return Checked(False)
         except Exception as exc:
             _as_verdict(exc, fn, check)
