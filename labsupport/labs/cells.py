@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 import os
 import re
@@ -51,9 +52,10 @@ def _stub_name(exc: BaseException, fn) -> str:
     """The function whose body is still the stub: the innermost of the learner's frames
     (outside the library) that ``exc`` passed through, here or on a rank, a method as
     ``Class.method``; ``fn``'s name if there is none."""
-    if isinstance(exc, LaunchError):
+    if isinstance(exc, LaunchError):  # frames as launch.errors.restore_sources names them
         text = exc.failures[exc.root_rank].traceback
-        frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)', text)
+        frames = re.findall(r'(File "[^"]+"|Cell In\[\d+\]), line \d+, in (\w+)', text)
+        frames = [(_rank_file(where), name) for where, name in frames]
     else:
         frames, tb = [], exc.__traceback__
         while tb is not None:
@@ -64,6 +66,20 @@ def _stub_name(exc: BaseException, fn) -> str:
     if not learners:
         return getattr(fn, "__name__", "your function")
     return _as_method(learners[-1], fn)
+
+
+def _rank_file(where: str) -> str:
+    """A path from a rank's traceback, made absolute again: ``Cell In[5]`` is a cell
+    (the learner's), and a relative path is relative to the ``sys.path`` entry it was
+    imported from (launch.errors._short_path), found again by its top-level module."""
+    if where.startswith("Cell"):
+        return "<cell>"
+    path = where[len('File "') : -1]
+    if os.path.isabs(path) or path.startswith("<"):
+        return path
+    spec = importlib.util.find_spec(path.split("/")[0].removesuffix(".py"))
+    origin = spec.origin if spec is not None and spec.origin else ""
+    return os.path.join(os.path.dirname(origin), path.partition("/")[2]) if "/" in path else origin
 
 
 def _as_method(name: str, fn) -> str:
