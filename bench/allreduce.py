@@ -62,11 +62,9 @@ def summarise(times: dict, nbytes: int = NBYTES, world: int = WORLD) -> list[dic
                 "s",
                 of_floor=report.paired(times[name], floor),
                 floor=described,
-                **(
-                    {}
-                    if name == "torch"
-                    else {"vs": report.paired(times[name], times["torch"]), "peer": "torch"}
-                ),
+                vs=None
+                if name == "torch"
+                else ("torch", report.paired(times[name], times["torch"])),
             )
         )
     return lines

@@ -8,7 +8,8 @@ alternate, round after round; the ratio is the median of the rounds' pairs. Repo
 with no target: 4 ranks share this machine's cores, and the ring's blocks are written out
 in PyTorch where SDPA is one fused kernel. The floor: the one process's work spread
 without loss over the cores the 4 ranks can use (:func:`bench.floors.
-shared_cores_floor_seconds`).
+shared_cores_floor_seconds`; on a machine others load, the ranks, being more processes,
+get a larger share of its cores and can pass it).
 
 Memory: the peak of the bytes alive during one training step's forward and backward pass
 (:class:`labsupport.measure.memory.LiveMemory`) of the course GPT (4 layers, d = 256) on one
@@ -98,8 +99,7 @@ def summarise(ring: list, single: list, one: int, per_rank: list, cores: int) ->
             floor=f"the one process's time, its threads spread over the {cores} cores "
             f"{CP} ranks of {ring[0][1]} thread(s) can use; median "
             f"{statistics.median(floor) * 1e3:.1f} ms",
-            vs=report.paired(ring_s, single_s),
-            peer="one process",
+            vs=("one process", report.paired(ring_s, single_s)),
         ),
         report.line(
             f"cp={CP}, peak bytes alive per rank (one process: {one:,})",

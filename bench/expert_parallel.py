@@ -11,8 +11,9 @@ ratio is the median of the rounds' pairs. Every process computes with one thread
 single process's small matrix products 20 times slower. The 4 ranks share the cores and
 every token crosses loopback; the ratio is reported, with no target. The floor of the
 step: the one process's work spread without loss over the cores the 4 ranks can use
-(:func:`bench.floors.shared_cores_floor_seconds`). The bytes are counted by
-``comm.traced`` in one step and held against their floor,
+(:func:`bench.floors.shared_cores_floor_seconds`; on a machine others load, the ranks,
+being more processes, get a larger share of its cores and can pass it). The bytes are
+counted by ``comm.traced`` in one step and held against their floor,
 ``estimate.moe.all_to_all_bytes`` of the step's routing plus the count exchange.
 """
 
@@ -102,8 +103,7 @@ def summarise(ep: list, single: list, bytes_rows: list, cores: int) -> list[dict
             floor=f"the one process's time, its threads spread over the {cores} cores "
             f"{WORLD} ranks of {ep[0]['threads']} thread(s) can use; median "
             f"{statistics.median(floor) * 1e3:.1f} ms",
-            vs=report.paired(ep_s, single_s),
-            peer="one process",
+            vs=("one process", report.paired(ep_s, single_s)),
         ),
         report.line(
             "EP, bytes each rank sent in one step (all-to-alls)",

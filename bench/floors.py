@@ -11,6 +11,8 @@ from what the same run measured. Pure functions; :mod:`bench.report` prints them
 * a pipeline: lab 11's model, the schedule played by
   :func:`labsupport.parallel.simulator.simulate` with each stage's measured forward and
   backward times and free messages;
+* ranks sharing one machine's cores, against one process: that process's work spread
+  without loss over the cores the ranks can use (:func:`shared_cores_floor_seconds`);
 * ZeRO's traffic: the paper's ``2 Psi`` (stages 1 and 2: reduce-scatter the gradients,
   all-gather the weights) or ``3 Psi`` (stage 3: weights gathered twice) of each rank's
   ``(N-1)/N`` share, Rajbhandari et al. 2020, section 7.
@@ -76,7 +78,10 @@ def shared_cores_floor_seconds(
 ) -> float:
     """The work one process did in ``single_s`` on ``single_threads`` threads, spread
     without loss over what ``ranks`` ranks of ``rank_threads`` threads each can use of the
-    machine's ``cores``: the same FLOPs on the same cores, no communication."""
+    machine's ``cores``: the same FLOPs on the same cores, no communication. A floor where
+    the benchmark has the machine to itself: where other programs keep the cores busy,
+    the scheduler gives several processes a larger share of them than one, and the ranks
+    can pass it (the benches print the figure as measured)."""
     if min(single_s, single_threads, ranks, rank_threads, cores) <= 0:
         raise ValueError("times, threads, ranks and cores must be positive")
     return single_s * min(single_threads, cores) / min(ranks * rank_threads, cores)

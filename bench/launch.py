@@ -157,11 +157,11 @@ def summarise(warm: dict, slow: dict) -> list[dict]:
         for name, ts in times.items():
             if name == FORK or (times is slow and name == WARM):
                 continue
-            vs = {} if name == WARM else {"vs": report.paired(ts, times[WARM]), "peer": WARM}
+            vs = None if name == WARM else (WARM, report.paired(ts, times[WARM]))
             floor = f"{FORK} (os.fork, no exec, from this Python with torch imported)"
             lines.append(
                 report.line(
-                    name, statistics.median(ts), "s", report.paired(ts, times[FORK]), floor, **vs
+                    name, statistics.median(ts), "s", report.paired(ts, times[FORK]), floor, vs
                 )
             )
     return lines

@@ -69,13 +69,15 @@ def paired(numerators, denominators, over: str = "pairs") -> Ratio:
 
 
 def in_turns(runs: dict[str, Callable[[], float]], rounds: int, warmup: int = 0) -> dict:
-    """Call every run in turns, round after round; each returns its own measurement. The
-    first ``warmup`` rounds are dropped. Returns each run's list, in round order."""
+    """Call every run in turns, round after round, each returning its own measurement;
+    every other round in the reverse order (A B, B A, A B, ...), so that no run always
+    follows the same one. The first ``warmup`` rounds are dropped. Returns each run's
+    list, in round order."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     out: dict[str, list] = {name: [] for name in runs}
     for i in range(warmup + rounds):
-        for name, run in runs.items():
+        for name, run in list(runs.items())[:: -1 if i % 2 else 1]:
             value = run()
             if i >= warmup:
                 out[name].append(value)
@@ -108,20 +110,19 @@ def line(
     unit: str,
     of_floor: Ratio | None = None,
     floor: str | None = None,
-    vs: Ratio | None = None,
-    peer: str | None = None,
+    vs: tuple[str, Ratio] | None = None,
 ) -> dict:
     """One bench line: a measured ``value`` (the median, in ``unit``: ``"s"``, ``"B"`` or
-    any other), its ratio to the peer's (``vs``, the peer named in ``peer``), and
-    ``of_floor``, the value over the floor, which ``floor`` describes. The peer's own line
-    (the reference the others are held against) has neither."""
-    if (vs is None) != (peer is None) or (of_floor is None) != (floor is None):
-        raise ValueError("give vs= with peer=, and of_floor= with floor=, or neither")
+    any other), ``of_floor``, the value over the floor, which ``floor`` describes, and
+    ``vs``, the peer's name and the ratio to it. The peer's own line (the reference the
+    others are held against) has neither ratio."""
+    if (of_floor is None) != (floor is None):
+        raise ValueError("give of_floor= with floor=, or neither")
     return {
         "name": name,
         "value": value,
         "unit": unit,
-        "vs": None if vs is None else {"peer": peer, **vs.as_dict()},
+        "vs": None if vs is None else {"peer": vs[0], **vs[1].as_dict()},
         "of_floor": None if of_floor is None else of_floor.as_dict(),
         "floor": floor,
     }

@@ -46,12 +46,12 @@ def test_paired_refuses_unpaired_or_empty_runs():
         report.ratios([])
 
 
-def test_in_turns_alternates_and_drops_the_warm_up():
+def test_in_turns_alternates_in_both_orders_and_drops_the_warm_up():
     calls = []
     runs = {name: (lambda name=name: calls.append(name) or len(calls)) for name in "ab"}
     times = report.in_turns(runs, rounds=2, warmup=1)
-    assert calls == ["a", "b"] * 3
-    assert times == {"a": [3, 5], "b": [4, 6]}
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert times == {"a": [4, 5], "b": [3, 6]}
     with pytest.raises(ValueError, match="at least 1"):
         report.in_turns(runs, rounds=0)
 
@@ -67,12 +67,12 @@ def test_a_target_says_met_or_missed_and_record_writes_the_json(tmp_path, monkey
     assert "(MISSED)" in capsys.readouterr().out
 
 
-def test_a_line_needs_its_peer_with_its_ratio_and_its_floor_with_its_ratio():
+def test_a_line_needs_its_floor_with_its_ratio():
     ratio = report.ratios([1.0])
     with pytest.raises(ValueError):
-        report.line("x", 1.0, "s", vs=ratio)
-    with pytest.raises(ValueError):
         report.line("x", 1.0, "s", of_floor=ratio)
+    with pytest.raises(ValueError):
+        report.line("x", 1.0, "s", floor="a copy")
 
 
 def test_ring_floor_is_2_n_minus_1_over_n_copies():
