@@ -55,16 +55,16 @@ def summarise(times: dict, nbytes: int = NBYTES, world: int = WORLD) -> list[dic
     for name, label in (("torch", "torch.distributed.all_reduce"), ("ring", "labsupport ring")):
         median = statistics.median(times[name])
         busbw = float(bus_bandwidth(nbytes, median, world)) / 1e9
+        vs = None if name == "torch" else ("torch", report.paired(times[name], times["torch"]))
         lines.append(
             report.line(
-                f"{label}, {busbw:.2f} GB/s bus",
+                label,
                 median,
                 "s",
                 of_floor=report.paired(times[name], floor),
                 floor=described,
-                vs=None
-                if name == "torch"
-                else ("torch", report.paired(times[name], times["torch"])),
+                vs=vs,
+                detail=f"{busbw:.2f} GB/s bus",
             )
         )
     return lines

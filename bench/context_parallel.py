@@ -102,11 +102,11 @@ def summarise(ring: list, single: list, one: int, per_rank: list, cores: int) ->
             vs=("one process", report.paired(ring_s, single_s)),
         ),
         report.line(
-            f"cp={CP}, peak bytes alive per rank (one process: {one:,})",
+            f"cp={CP}, peak bytes alive per rank",
             statistics.median(per_rank),
             "B",
             of_floor=report.ratios((p / (one / CP) for p in per_rank), "ranks"),
-            floor=f"1/cp of one process's peak, {one / CP:,.0f} B",
+            floor=f"1/cp of one process's peak ({one:,} B), {one / CP:,.0f} B",
         ),
     ]
 

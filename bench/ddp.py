@@ -96,12 +96,13 @@ def summarise(out: dict) -> list[dict]:
         median = statistics.median(out[name])
         lines.append(
             report.line(
-                f"{label}, {tokens / median:,.0f} tokens/s",
+                label,
                 median,
                 "s",
                 of_floor=report.paired(out[name], floor),
                 floor=described,
                 vs=None if name == "torch" else ("torch", throughput(out)),
+                detail=f"{tokens / median:,.0f} tokens/s",
             )
         )
     return lines

@@ -111,11 +111,13 @@ def line(
     of_floor: Ratio | None = None,
     floor: str | None = None,
     vs: tuple[str, Ratio] | None = None,
+    detail: str | None = None,
 ) -> dict:
     """One bench line: a measured ``value`` (the median, in ``unit``: ``"s"``, ``"B"`` or
     any other), ``of_floor``, the value over the floor, which ``floor`` describes, and
     ``vs``, the peer's name and the ratio to it. The peer's own line (the reference the
-    others are held against) has neither ratio."""
+    others are held against) has neither ratio. ``detail``, a figure printed beside the
+    name (a bandwidth, a throughput), keeps ``name`` the same from run to run."""
     if (of_floor is None) != (floor is None):
         raise ValueError("give of_floor= with floor=, or neither")
     return {
@@ -125,17 +127,19 @@ def line(
         "vs": None if vs is None else {"peer": vs[0], **vs[1].as_dict()},
         "of_floor": None if of_floor is None else of_floor.as_dict(),
         "floor": floor,
+        "detail": detail,
     }
 
 
 def print_lines(lines: list[dict], peer: str = "x peer") -> None:
     """The lines as a table: the median, the ratio to the peer and the value over the
     floor, each with its spread; then what each floor is (once, if several share it)."""
-    width = max(len(ln["name"]) for ln in lines)
+    names = [ln["name"] + (f", {ln['detail']}" if ln["detail"] else "") for ln in lines]
+    width = max(map(len, names))
     print(f"{'':{width}s} {'median':>10s}  {peer:31s} x of the floor")
-    for ln in lines:
+    for ln, name in zip(lines, names, strict=True):
         vs, value = _ratio(ln["vs"]), _value(ln["value"], ln["unit"])
-        print(f"{ln['name']:{width}s} {value:>10s}  {vs:31s} {_ratio(ln['of_floor'])}".rstrip())
+        print(f"{name:{width}s} {value:>10s}  {vs:31s} {_ratio(ln['of_floor'])}".rstrip())
     described = {}
     for ln in lines:
         if ln["floor"]:

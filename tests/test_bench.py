@@ -11,6 +11,7 @@ import pytest
 import bench.__main__ as driver
 from bench import (
     allreduce,
+    compare,
     context_parallel,
     ddp,
     expert_parallel,
@@ -181,7 +182,7 @@ def test_a_bench_record_has_one_ratio_and_its_floor_per_line(bench):
     assert lines
     compared = 0
     for ln in lines:
-        assert set(ln) == {"name", "value", "unit", "vs", "of_floor", "floor"}
+        assert set(ln) == {"name", "value", "unit", "vs", "of_floor", "floor", "detail"}
         if ln["of_floor"] is None:  # the peer's own line, the reference
             assert ln["vs"] is None and ln["floor"] is None
             continue
@@ -191,3 +192,16 @@ def test_a_bench_record_has_one_ratio_and_its_floor_per_line(bench):
         if ln["vs"] is not None:
             assert set(ln["vs"]) == {"peer", *report.FIELDS}
     assert compared >= 1
+
+
+def test_compare_matches_two_runs_lines_by_name(capsys):
+    def run(value, floor):
+        line = report.line("ring", value, "s", report.ratios([floor]), "a copy", detail="1 GB/s")
+        machine = {"cpu_model": "c", "cores": 2, "load_average_before": [1.0]}
+        return {"started": "t", "seconds": 1, "machine": machine,
+                "benches": {"allreduce": {"lines": [line]}}}  # fmt: skip
+
+    old, new = run(2.0, 4.0), run(1.0, 2.0)
+    assert compare.rows(old, new) == [("allreduce", "ring", 2.0, 1.0, 4.0, 2.0)]
+    new["benches"]["ddp"] = {"lines": [report.line("ours", 3.0, "s")]}
+    assert compare.rows(old, new)[1] == ("ddp", "ours", None, 3.0, None, None)
