@@ -24,8 +24,9 @@ from bench import floors, report
 WORLD, NBYTES, ROUNDS = 4, 16 * 2**20, 15
 
 
-def alternate(nbytes: int, rounds: int) -> dict | None:
-    """Time ring, built-in all-reduce and a copy in turns; rank 0 returns the lists."""
+def alternate(nbytes: int, rounds: int, ring: bool = True) -> dict | None:
+    """Time the ring (unless ``ring=False``), torch's all-reduce and a copy of the same
+    tensor in turns, on every rank; rank 0 returns the lists of seconds."""
     from labsupport import comm
     from labsupport.launch.runtime import device
 
@@ -36,6 +37,8 @@ def alternate(nbytes: int, rounds: int) -> dict | None:
         "torch": report.slowest(lambda: dist.all_reduce(tensor)),
         "copy": report.slowest(lambda: buffer.copy_(tensor)),
     }
+    if not ring:
+        del runs["ring"]
     times = report.in_turns(runs, rounds, warmup=1)
     return times if dist.get_rank() == 0 else None
 
