@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import math
 
-from labsupport.models.gpt import RECOMPUTE
-from labsupport.models.mlp import BLOCK_UNITS
+from labsupport.models.recompute import BLOCK_UNITS, RECOMPUTE
 
 BYTES_PER_PARAM = {
     # ZeRO (Rajbhandari et al. 2020), section 3.1: fp16 weights and gradients, and an fp32
