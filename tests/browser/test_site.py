@@ -359,3 +359,227 @@ def test_figures_are_shown_as_wide_as_tools_figures_assumes(page, site_url):
         code = page.locator("main code.literal").first
         assert code.evaluate("c => getComputedStyle(c).fontSize") == f"{SMALL_PRINT_PX}px"
     assert widths["11-schedules.png"] == PAGE_PX
+
+
+# ---------------------------------------------------------------------- the calculators
+# calculators.md runs labsupport.estimate in the page (Pyodide). Python starts in 21-29 s
+# in headless Chromium on this project's loaded 2-core machine (2.6 s of the page's main
+# thread); a start that takes longer than this has failed.
+STARTUP_MS = 180_000
+
+
+def calculator_started(page):
+    page.wait_for_function("document.documentElement.dataset.calculator", timeout=STARTUP_MS)
+    status = page.locator("#calc-memory .calc-status").inner_text()
+    assert page.evaluate("document.documentElement.dataset.calculator") == "ready", status
+    assert status.startswith("Live: computed in this page by labsupport.estimate"), status
+
+
+def set_inputs(page, form: str, inputs: dict):
+    """Set a form's fields as a reader does (the model first: a preset fills the sizes)."""
+    for name in sorted(inputs, key=lambda n: n != "model"):
+        field = page.locator(f"#{form} [name='{name}']")
+        value = inputs[name]
+        if isinstance(value, bool):
+            field.set_checked(value)
+        elif field.evaluate("e => e.tagName") == "SELECT":
+            field.select_option(str(value))
+        else:
+            field.fill(str(value))
+
+
+def shown(page, out: str) -> dict:
+    cells = page.locator(f"#{out} td[data-part]")
+    return {
+        cells.nth(i).get_attribute("data-part"): float(cells.nth(i).inner_text())
+        for i in range(cells.count())
+    }
+
+
+def memory_case(model, seq_len, gpu, dp, tp, pp, cp, zero, recompute, b, m, sp, **sizes):
+    inputs = {"model": model, "seq_len": seq_len, "gpu": gpu, "dp": dp, "tp": tp, "pp": pp,
+              "cp": cp, "ep": 1, "zero": zero, "recompute": recompute, "micro_batch": b,
+              "micro_batches": m, "sequence_parallel": sp} | sizes  # fmt: skip
+    return inputs
+
+
+MEMORY_CASES = {
+    # Narayanan et al. 2021's GPT-3 run, as published (chapter 13's table)
+    "GPT-3 as published": memory_case(
+        "GPT-3 175B", 2048, "A100 SXM 80GB", 16, 8, 12, 1, 0, "full", 1, 96, False
+    ),
+    "BLOOM as published": memory_case(
+        "BLOOM-176B", 2048, "A100 SXM 80GB", 8, 4, 12, 1, 1, "full", 2, 128, False
+    ),
+    "Llama 3 405B, cp 2": memory_case(
+        "Llama 3 405B", 8192, "H100 SXM", 64, 8, 16, 2, 2, "selective", 1, 16, True
+    ),
+    "custom 1.3B, ZeRO-3": memory_case(
+        "custom",
+        4096,
+        "H200 SXM",
+        4,
+        2,
+        2,
+        1,
+        3,
+        "none",
+        2,
+        4,
+        True,
+        layers=24,
+        hidden=2048,
+        heads=16,
+        vocab=50257,
+    ),  # fmt: skip
+    "GPT-2 on one RTX 4090": memory_case(
+        "GPT-2 124M", 1024, "RTX 4090", 1, 1, 1, 1, 0, "none", 8, 1, False
+    ),
+}
+
+
+def expected_memory(inputs: dict) -> dict:
+    """GB per part from the planner's functions, called here in CPython (with torch)."""
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from labsupport.estimate.memory import training_memory
+    from labsupport.estimate.planner import Layout, Transformer, memory, stage_params
+    from labsupport.estimate.published import MODELS
+
+    i = inputs
+    if i["model"] == "custom":
+        model = Transformer("custom", i["layers"], i["hidden"], i["heads"], 1, i["vocab"])
+    elif i["model"] == "GPT-2 124M":
+        model = Transformer("GPT-2 124M", 12, 768, 12, 1024, 50257)
+    else:
+        model = MODELS[i["model"]]
+    model = dataclasses.replace(model, seq_len=i["seq_len"])
+    dp, tp, pp, cp = i["dp"] * i["cp"], i["tp"], i["pp"], i["cp"]
+    parts = training_memory(stage_params(model, pp) / tp, "mixed", i["zero"], dp)
+    layout = Layout(dp, tp, pp, i["zero"], i["micro_batch"], 1, i["recompute"],
+                    i["sequence_parallel"] and tp > 1)  # fmt: skip
+    shard = dataclasses.replace(model, seq_len=i["seq_len"] // cp)
+    batch = dp * i["micro_batch"] * i["micro_batches"]
+    parts["activations"] = memory(shard, layout, batch)["activations"]
+    parts["total"] = sum(parts.values())
+    return {part: value / 1e9 for part, value in parts.items()}
+
+
+def test_the_calculators_compute_in_the_page_opened_from_a_folder(browser):
+    """file://, where Chromium allows no fetch(): five cases of memory per GPU and the
+    planner's ranking, against the same functions in CPython."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from labsupport.estimate.planner import best_per_mesh, evaluate, plan
+    from labsupport.estimate.published import CLUSTERS, MODELS, PUBLISHED, check
+
+    page = open_page(browser)
+    page.goto((SITE / "calculators.html").as_uri())
+    calculator_started(page)
+    for name, inputs in MEMORY_CASES.items():
+        before = page.locator("#calc-memory-out").inner_text()
+        set_inputs(page, "calc-memory-form", inputs)
+        expect(page.locator("#calc-memory-out")).not_to_have_text(before)
+        got, want = shown(page, "calc-memory-out"), expected_memory(inputs)
+        assert got == pytest.approx(want, abs=0.0051), name
+    gpt3 = PUBLISHED[1]  # the planner's own memory of the published layout, too
+    planned = evaluate(MODELS[gpt3["model"]], CLUSTERS[gpt3["cluster"]], gpt3["layout"], 1536)
+    set_inputs(page, "calc-memory-form", MEMORY_CASES["GPT-3 as published"])
+    assert shown(page, "calc-memory-out")["total"] == pytest.approx(
+        planned["memory"] / 1e9, abs=0.0051
+    )
+
+    # The planner opens on GPT-3 on Selene: its ten first meshes, as plan() ranks them.
+    rows = page.locator("#calc-plan-out tbody tr[data-row]")
+    expect(rows).to_have_count(10)
+    want = best_per_mesh(plan(MODELS[gpt3["model"]], CLUSTERS[gpt3["cluster"]], 1536))[:10]
+    for i, result in enumerate(want):
+        row = rows.nth(i)
+        assert row.locator("[data-key=mesh]").inner_text() == "×".join(
+            map(str, result["layout"].mesh)
+        )
+        assert float(row.locator("[data-key=memory]").inner_text()) == pytest.approx(
+            result["memory"] / 1e9, abs=0.0051
+        )
+        assert float(row.locator("[data-key=step_s]").inner_text()) == pytest.approx(
+            result["step_s"], abs=0.0051
+        )
+        assert float(row.locator("[data-key=tflops]").inner_text()) == pytest.approx(
+            result["tflops"], abs=0.051
+        )
+    rows.nth(2).locator("button").click()
+    expect(page.locator("#calc-plan-out h4")).to_have_text("Layout 3: where the step goes")
+    parts, chosen = shown(page, "calc-plan-out"), want[2]
+    seconds = {k: parts.pop(k) for k in chosen["parts"]}
+    assert seconds == pytest.approx(chosen["parts"], abs=0.00051)
+    states, activations = chosen["states"], chosen["memory"] - chosen["states"]
+    want_gb = {"states": states / 1e9, "activations": activations / 1e9}
+    assert parts == pytest.approx(want_gb, abs=0.0051)
+
+    # Llama 3's published run: the preset fills its batch; the mesh's rank as check() says.
+    llama = PUBLISHED[3]
+    set_inputs(page, "calc-plan-form", {"model": llama["model"], "cluster": llama["cluster"]})
+    expect(page.locator("#calc-plan-form [name=global_batch]")).to_have_value("2048")
+    note = page.locator("#calc-plan-out .calc-note")
+    expect(note).to_contain_text(f"The published mesh 128×8×16 ranks {check(llama)['rank']}.")
+    assert page.problems == [], "\n".join(page.problems)
+    page.context.close()
+
+
+# Every text the memory calculator's status line shows, in order.
+STATUS_HISTORY = """document.addEventListener("DOMContentLoaded", () => {
+  const status = document.querySelector("#calc-memory .calc-status");
+  window.statusHistory = [status.textContent];
+  new MutationObserver(() => window.statusHistory.push(status.textContent))
+    .observe(status, {childList: true, characterData: true, subtree: true});
+});"""
+
+
+def test_the_calculators_work_from_the_keyboard_on_a_phone(phone, site_url):
+    phone.add_init_script(STATUS_HISTORY)
+    phone.goto(f"{site_url}/calculators.html")
+    calculator_started(phone)
+    history = phone.evaluate("window.statusHistory")
+    assert history[1].startswith("Loading the calculator"), history  # while Python starts
+    phone.locator("#calc-memory-form [name=model]").focus()
+    reached = []
+    for _ in range(20):
+        reached.append(phone.evaluate("document.activeElement.name"))
+        phone.keyboard.press("Tab")
+    fields = {"model", "seq_len", "gpu", "dp", "tp", "pp", "cp", "ep", "zero", "recompute",
+              "micro_batch", "micro_batches", "sequence_parallel"}  # fmt: skip
+    assert fields <= set(reached), f"the Tab key never reaches {fields - set(reached)}"
+    total = phone.locator("#calc-memory-out td[data-part=total]")
+    before = float(total.inner_text())
+    phone.locator("#calc-memory-form [name=zero]").focus()
+    phone.keyboard.press("ArrowDown")  # ZeRO-1 to ZeRO-2: the gradients are sharded too
+    assert float(total.inner_text()) < before
+    phone.locator("#calc-plan-out tr[data-row='1'] button").focus()
+    phone.keyboard.press("Enter")
+    expect(phone.locator("#calc-plan-out h4")).to_have_text("Layout 2: where the step goes")
+    assert phone.evaluate("document.documentElement.scrollWidth") <= PHONE["viewport"]["width"]
+    calculators = WIDER_THAN_THE_PAGE.replace('"main *"', '"main .calc *, main .calc-static *"')
+    assert phone.evaluate(calculators) == []
+    assert phone.problems == [], "\n".join(phone.problems)
+
+
+def test_without_python_the_calculators_page_says_why_and_shows_its_tables(page, site_url):
+    page.route("**/_static/calculator/**", lambda route: route.abort())
+    page.goto(f"{site_url}/calculators.html", wait_until="networkidle")
+    page.wait_for_function("document.documentElement.dataset.calculator", timeout=30_000)
+    for panel in ("#calc-memory", "#calc-plan"):
+        expect(page.locator(f"{panel} .calc-status")).to_contain_text(
+            "The calculator is off: the page could not load Python (Pyodide)"
+        )
+        expect(page.locator(f"{panel} select").first).to_be_disabled()
+    memory_rows = page.locator(".calc-static").nth(0).locator("tbody tr")
+    expect(memory_rows).to_have_count(6)
+    expect(memory_rows.first).to_contain_text("GPT-3 175B as published")
+    expect(page.locator(".calc-static").nth(1).locator("tbody tr")).to_have_count(12)
+    failed = "console error: Failed to load resource: net::ERR_FAILED"
+    assert page.problems.count(failed) == 6  # the six files under _static/calculator/
+    others = [p for p in page.problems if "/_static/calculator/" not in p and p != failed]
+    assert others == [], "\n".join(others)
