@@ -17,7 +17,7 @@ import pytest
 from labsupport.estimate import web
 from labsupport.estimate.memory import training_memory
 from labsupport.estimate.planner import evaluate, memory, stage_params
-from labsupport.estimate.published import CLUSTERS, MODELS, PUBLISHED
+from labsupport.estimate.published import CLUSTERS, MODELS, PUBLISHED, check
 from tools import site_calculator
 
 # What the page asks, one call each: the published GPT-3 layout, context parallelism, a
@@ -25,18 +25,18 @@ from tools import site_calculator
 CALLS = [
     ("memory", {"model": "GPT-3 175B", "seq_len": 2048, "gpu": "A100 SXM 80GB", "dp": 16,
                 "tp": 8, "pp": 12, "cp": 1, "ep": 1, "zero": 0, "recompute": "full",
-                "micro_batch": 1, "micro_batches": 96, "sequence_parallel": False}),
+                "micro_batch": 1, "micro_batches": 96, "chunks": 8, "sequence_parallel": False}),
     ("memory", {"model": "Llama 3 405B", "seq_len": 8192, "gpu": "H100 SXM", "dp": 64,
                 "tp": 8, "pp": 16, "cp": 2, "ep": 1, "zero": 2, "recompute": "selective",
-                "micro_batch": 1, "micro_batches": 16, "sequence_parallel": True}),
+                "micro_batch": 1, "micro_batches": 16, "chunks": 1, "sequence_parallel": True}),
     ("memory", {"model": "custom", "layers": 24, "hidden": 2048, "heads": 16, "vocab": 50257,
                 "seq_len": 4096, "gpu": "H200 SXM", "dp": 4, "tp": 2, "pp": 2, "cp": 1,
                 "ep": 1, "zero": 3, "recompute": "none", "micro_batch": 2,
-                "micro_batches": 4, "sequence_parallel": True}),
+                "micro_batches": 4, "chunks": 2, "sequence_parallel": True}),
     ("plan", {"model": "Llama 3 405B", "cluster": "Meta RoCE, 16,384 H100", "global_batch": 2048}),
     ("memory", {"model": "GPT-3 175B", "seq_len": 2048, "gpu": "A100 SXM 80GB", "dp": 1,
                 "tp": 1, "pp": 1, "cp": 1, "ep": 8, "zero": 0, "recompute": "full",
-                "micro_batch": 1, "micro_batches": 1, "sequence_parallel": False}),
+                "micro_batch": 1, "micro_batches": 1, "chunks": 1, "sequence_parallel": False}),
     ("presets", {}),
 ]  # fmt: skip
 
@@ -91,11 +91,13 @@ def test_the_page_would_fail_if_a_calculator_imported_torch(tmp_path):
 
 @pytest.mark.parametrize("run", PUBLISHED, ids=lambda r: r["model"])
 def test_memory_per_gpu_is_the_planners_memory_of_a_published_layout(run):
-    model, lay = MODELS[run["model"]], run["layout"]
+    """As published, the settings the source leaves open as the planner chooses them."""
+    model, lay = MODELS[run["model"]], check(run)["published"]["layout"]
     inputs = {"model": run["model"], "seq_len": model.seq_len, "gpu": CLUSTERS[run["cluster"]].gpu,
               "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": 1, "ep": 1, "zero": lay.zero,
               "recompute": lay.recompute, "micro_batch": lay.micro_batch,
               "micro_batches": run["global_batch"] // (lay.dp * lay.micro_batch),
+              "chunks": lay.chunks,
               "sequence_parallel": lay.sequence_parallel}  # fmt: skip
     shown = web.memory_per_gpu(inputs)
     planned = evaluate(model, CLUSTERS[run["cluster"]], lay, run["global_batch"])
@@ -122,6 +124,7 @@ def test_context_parallelism_splits_the_tokens_and_shards_over_dp_times_cp():
         ({"cp": 2, "recompute": "none"}, "keeps no score matrix"),
         ({"tp": 5}, "tp must divide the heads"),
         ({"pp": 200}, "pp must be at most the 96 layers"),
+        ({"pp": 1, "chunks": 2}, "interleaving (chunks > 1) needs pp > 1"),
         ({"dp": 0}, "dp must be a whole number of at least 1"),
         ({"dp": 1.5}, "dp must be a whole number"),
         ({"model": "GPT-5"}, "model must be custom or one of"),

@@ -80,11 +80,12 @@ def memory_per_gpu(inputs: dict) -> dict:
 
     ``inputs``: the model (:func:`model_from`), ``dp``, ``tp``, ``pp``, ``cp``, ``ep``,
     ``zero`` (0 to 3), ``recompute``, ``micro_batch`` (sequences), ``micro_batches`` (per
-    step and data-parallel rank), ``sequence_parallel`` (bool), ``gpu``."""
+    step and data-parallel rank), ``chunks`` (interleaved stages per pipeline rank),
+    ``sequence_parallel`` (bool), ``gpu``."""
     model = model_from(inputs)
     dp, tp, pp, cp, ep = (_int(inputs, k) for k in ("dp", "tp", "pp", "cp", "ep"))
     zero, recompute = _int(inputs, "zero", 0), inputs.get("recompute")
-    b, m = _int(inputs, "micro_batch"), _int(inputs, "micro_batches")
+    b, m, v = (_int(inputs, k) for k in ("micro_batch", "micro_batches", "chunks"))
     if inputs.get("gpu") not in GPUS:
         raise ValueError(f"gpu must be one of {', '.join(GPUS)}")
     if zero > 3 or recompute not in RECOMPUTE:
@@ -95,11 +96,13 @@ def memory_per_gpu(inputs: dict) -> dict:
         raise ValueError("tp must divide the heads, and cp the sequence length")
     if pp > model.layers:
         raise ValueError(f"pp must be at most the {model.layers} layers")
+    if v > 1 and (pp == 1 or v > stage_layers(model, pp) + 1):
+        raise ValueError("interleaving (chunks > 1) needs pp > 1 and a layer per chunk")
     if cp > 1 and recompute == "none":
         raise ValueError("with cp > 1 attention runs blockwise and keeps no score matrix: "
                          "choose selective or full recomputation")  # fmt: skip
     shard = dataclasses.replace(model, seq_len=model.seq_len // cp)  # one rank's tokens
-    layout = Layout(dp * cp, tp, pp, zero, b, 1, recompute, bool(inputs.get("sequence_parallel")))
+    layout = Layout(dp * cp, tp, pp, zero, b, v, recompute, bool(inputs.get("sequence_parallel")))
     layout = dataclasses.replace(layout, sequence_parallel=layout.sequence_parallel and tp > 1)
     planned = memory(shard, layout, dp * cp * b * m)
     params = stage_params(model, pp) / tp

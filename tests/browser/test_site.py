@@ -396,44 +396,30 @@ def shown(page, out: str) -> dict:
     }
 
 
-def memory_case(model, seq_len, gpu, dp, tp, pp, cp, zero, recompute, b, m, sp, **sizes):
+def memory_case(model, seq_len, gpu, dp, tp, pp, cp, zero, recompute, b, m, v, sp):
     inputs = {"model": model, "seq_len": seq_len, "gpu": gpu, "dp": dp, "tp": tp, "pp": pp,
               "cp": cp, "ep": 1, "zero": zero, "recompute": recompute, "micro_batch": b,
-              "micro_batches": m, "sequence_parallel": sp} | sizes  # fmt: skip
+              "micro_batches": m, "chunks": v, "sequence_parallel": sp}  # fmt: skip
     return inputs
 
 
 MEMORY_CASES = {
     # Narayanan et al. 2021's GPT-3 run, as published (chapter 13's table)
     "GPT-3 as published": memory_case(
-        "GPT-3 175B", 2048, "A100 SXM 80GB", 16, 8, 12, 1, 0, "full", 1, 96, False
+        "GPT-3 175B", 2048, "A100 SXM 80GB", 16, 8, 12, 1, 0, "full", 1, 96, 8, False
     ),
     "BLOOM as published": memory_case(
-        "BLOOM-176B", 2048, "A100 SXM 80GB", 8, 4, 12, 1, 1, "full", 2, 128, False
+        "BLOOM-176B", 2048, "A100 SXM 80GB", 8, 4, 12, 1, 1, "full", 2, 128, 1, False
     ),
     "Llama 3 405B, cp 2": memory_case(
-        "Llama 3 405B", 8192, "H100 SXM", 64, 8, 16, 2, 2, "selective", 1, 16, True
+        "Llama 3 405B", 8192, "H100 SXM", 64, 8, 16, 2, 2, "selective", 1, 16, 4, True
     ),
     "custom 1.3B, ZeRO-3": memory_case(
-        "custom",
-        4096,
-        "H200 SXM",
-        4,
-        2,
-        2,
-        1,
-        3,
-        "none",
-        2,
-        4,
-        True,
-        layers=24,
-        hidden=2048,
-        heads=16,
-        vocab=50257,
-    ),  # fmt: skip
+        "custom", 4096, "H200 SXM", 4, 2, 2, 1, 3, "none", 2, 4, 1, True
+    )
+    | {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 50257},
     "GPT-2 on one RTX 4090": memory_case(
-        "GPT-2 124M", 1024, "RTX 4090", 1, 1, 1, 1, 0, "none", 8, 1, False
+        "GPT-2 124M", 1024, "RTX 4090", 1, 1, 1, 1, 0, "none", 8, 1, 1, False
     ),
 }
 
@@ -458,7 +444,7 @@ def expected_memory(inputs: dict) -> dict:
     model = dataclasses.replace(model, seq_len=i["seq_len"])
     dp, tp, pp, cp = i["dp"] * i["cp"], i["tp"], i["pp"], i["cp"]
     parts = training_memory(stage_params(model, pp) / tp, "mixed", i["zero"], dp)
-    layout = Layout(dp, tp, pp, i["zero"], i["micro_batch"], 1, i["recompute"],
+    layout = Layout(dp, tp, pp, i["zero"], i["micro_batch"], i["chunks"], i["recompute"],
                     i["sequence_parallel"] and tp > 1)  # fmt: skip
     shard = dataclasses.replace(model, seq_len=i["seq_len"] // cp)
     batch = dp * i["micro_batch"] * i["micro_batches"]
@@ -485,8 +471,10 @@ def test_the_calculators_compute_in_the_page_opened_from_a_folder(browser):
         expect(page.locator("#calc-memory-out")).not_to_have_text(before)
         got, want = shown(page, "calc-memory-out"), expected_memory(inputs)
         assert got == pytest.approx(want, abs=0.0051), name
-    gpt3 = PUBLISHED[1]  # the planner's own memory of the published layout, too
-    planned = evaluate(MODELS[gpt3["model"]], CLUSTERS[gpt3["cluster"]], gpt3["layout"], 1536)
+    gpt3 = PUBLISHED[1]  # the planner's own memory of the published layout (chunks: its choice)
+    chosen = check(gpt3)["published"]["layout"]
+    assert chosen.chunks == 8
+    planned = evaluate(MODELS[gpt3["model"]], CLUSTERS[gpt3["cluster"]], chosen, 1536)
     set_inputs(page, "calc-memory-form", MEMORY_CASES["GPT-3 as published"])
     assert shown(page, "calc-memory-out")["total"] == pytest.approx(
         planned["memory"] / 1e9, abs=0.0051
@@ -550,12 +538,12 @@ def test_the_calculators_work_from_the_keyboard_on_a_phone(phone, site_url):
         reached.append(phone.evaluate("document.activeElement.name"))
         phone.keyboard.press("Tab")
     fields = {"model", "seq_len", "gpu", "dp", "tp", "pp", "cp", "ep", "zero", "recompute",
-              "micro_batch", "micro_batches", "sequence_parallel"}  # fmt: skip
+              "micro_batch", "micro_batches", "chunks", "sequence_parallel"}  # fmt: skip
     assert fields <= set(reached), f"the Tab key never reaches {fields - set(reached)}"
     total = phone.locator("#calc-memory-out td[data-part=total]")
     before = float(total.inner_text())
     phone.locator("#calc-memory-form [name=zero]").focus()
-    phone.keyboard.press("ArrowDown")  # ZeRO-1 to ZeRO-2: the gradients are sharded too
+    phone.keyboard.press("ArrowDown")  # ZeRO-0 to ZeRO-1: the optimizer states are sharded
     assert float(total.inner_text()) < before
     phone.locator("#calc-plan-out tr[data-row='1'] button").focus()
     phone.keyboard.press("Enter")
@@ -576,7 +564,7 @@ def test_without_python_the_calculators_page_says_why_and_shows_its_tables(page,
         )
         expect(page.locator(f"{panel} select").first).to_be_disabled()
     memory_rows = page.locator(".calc-static").nth(0).locator("tbody tr")
-    expect(memory_rows).to_have_count(6)
+    expect(memory_rows).to_have_count(8)
     expect(memory_rows.first).to_contain_text("GPT-3 175B as published")
     expect(page.locator(".calc-static").nth(1).locator("tbody tr")).to_have_count(12)
     failed = "console error: Failed to load resource: net::ERR_FAILED"
