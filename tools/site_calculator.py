@@ -44,15 +44,11 @@ TEXT = ("pyodide.asm.mjs", "pyodide-lock.json")
 SHIPPED = [
     "labsupport/models/recompute.py",
     "labsupport/comm/cost.py",
-    "labsupport/estimate/__init__.py",
-    "labsupport/estimate/units.py",
-    "labsupport/estimate/datasheets.py",
-    "labsupport/estimate/memory.py",
-    "labsupport/estimate/planner.py",
-    "labsupport/estimate/published.py",
-    "labsupport/estimate/web.py",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "labsupport/estimate").glob("*.py")),
 ]
-"""labsupport's files the page runs: :mod:`labsupport.estimate.web` and what it imports."""
+"""labsupport's files the page holds: the whole ``estimate`` layer (the page imports
+:mod:`labsupport.estimate.web` and what it imports; the rest is never imported) and the
+two modules of lower layers it imports."""
 
 PAGE_INIT = {
     path: f'"""labsupport{suffix} in the website: only the calculators\' modules."""\n'

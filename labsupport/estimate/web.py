@@ -102,8 +102,9 @@ def memory_per_gpu(inputs: dict) -> dict:
         raise ValueError("with cp > 1 attention runs blockwise and keeps no score matrix: "
                          "choose selective or full recomputation")  # fmt: skip
     shard = dataclasses.replace(model, seq_len=model.seq_len // cp)  # one rank's tokens
-    layout = Layout(dp * cp, tp, pp, zero, b, v, recompute, bool(inputs.get("sequence_parallel")))
-    layout = dataclasses.replace(layout, sequence_parallel=layout.sequence_parallel and tp > 1)
+    sp = bool(inputs.get("sequence_parallel")) and tp > 1
+    layout = Layout(dp=dp * cp, tp=tp, pp=pp, zero=zero, micro_batch=b, chunks=v,
+                    recompute=recompute, sequence_parallel=sp)  # fmt: skip
     planned = memory(shard, layout, dp * cp * b * m)
     params = stage_params(model, pp) / tp
     parts = training_memory(params, "mixed", zero, dp * cp)
