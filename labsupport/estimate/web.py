@@ -39,12 +39,12 @@ from labsupport.estimate.planner import (
     stage_params,
 )
 from labsupport.estimate.published import CLUSTERS, MODELS, PUBLISHED
+from labsupport.models.recompute import RECOMPUTE
 
 GPUS = [name for name, spec in DEVICES.items() if spec["kind"] == "GPU"]
-#: The course's small GPT (lab 10's 124M, GPT-2's shape) beside the published models.
+#: GPT-2 small's shape (124M parameters, Radford et al. 2019) beside the published models.
 PRESETS = {"GPT-2 124M": Transformer("GPT-2 124M", 12, 768, 12, 1024, 50257)} | MODELS
 CUSTOM = ("layers", "hidden", "heads", "vocab")
-RECOMPUTE = ("none", "selective", "full")
 
 
 def _int(inputs: dict, name: str, low: int = 1) -> int:
