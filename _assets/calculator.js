@@ -128,12 +128,18 @@
         el("thead", {}, el("tr", {}, el("th", {}, "state"), el("th", {}, "GB"), el("th", {}, "of the GPU"))),
         el("tbody", {}, ...rows, total)),
       el("p", { class: "calc-note" },
-        `${(r.params_total / 1e9).toFixed(2)} B parameters; the first pipeline stage holds ` +
-        `${r.stage_layers} layers and this GPU ${(r.params_per_gpu / 1e9).toFixed(3)} B of its ` +
-        `parameters; ${r.gpus.toLocaleString("en")} GPUs in all.`));
+        `${(r.params_total / 1e9).toFixed(2)} B parameters; the heaviest pipeline stage ` +
+        `(stage ${r.stage + 1}) holds ${r.stage_layers} layers and this GPU ` +
+        `${(r.params_per_gpu / 1e9).toFixed(3)} B of its parameters; ` +
+        `${r.gpus.toLocaleString("en")} GPUs in all.`));
   }
 
-  function drawPlan(out, reply, chosen, pick) {
+  // dp×tp×pp, with context and expert parallelism where they are above 1
+  const axesText = ([dp, tp, cp, pp, ep]) =>
+    `${dp}×${tp}×${pp}` + (cp > 1 ? `, CP ${cp}` : "") + (ep > 1 ? `, EP ${ep}` : "");
+  const percent = (x) => `${(100 * x).toFixed(1)} %`;
+
+  function drawPlan(out, reply, chosen, pick, efficiency) {
     const r = answer(out, reply);
     if (!r) return;
     const head = ["", "dp×tp×pp", "ZeRO", "micro-batch", "chunks", "recompute", "GB", "step s", "TFLOP/s", "MFU"];
@@ -142,7 +148,7 @@
       const button = el("button", { type: "button", "aria-pressed": String(i === chosen),
         "aria-label": `show layout ${i + 1}` }, String(i + 1));
       button.addEventListener("click", () => pick(i));
-      const mesh = `${l.dp}×${l.tp}×${l.pp}`;
+      const mesh = axesText(row.axes);
       return el("tr", { class: i === chosen ? "calc-chosen" : "", "data-row": i },
         el("td", {}, button), el("td", { "data-key": "mesh" }, mesh),
         el("td", {}, String(l.zero)), el("td", {}, String(l.micro_batch)), el("td", {}, String(l.chunks)),
@@ -151,12 +157,20 @@
         el("td", { "data-key": "tflops" }, row.tflops.toFixed(1)),
         el("td", {}, `${(100 * row.mfu).toFixed(0)} %`));
     });
-    const published = r.published_mesh
-      ? `The published mesh ${r.published_mesh.join("×")} ranks ${r.published_rank ?? "nowhere (does not fit)"}. `
+    const published = r.published_axes
+      ? `The published mesh ${axesText(r.published_axes)} ranks ${r.published_rank ?? "nowhere (no layout of it fits)"}. `
+      : "";
+    const narrowed = Object.entries(r.narrowed);
+    const searched = narrowed.length
+      ? ` For this model the page searches only ${narrowed.map(([k, v]) => `${k} ${v.join(", ")}`).join("; ")}` +
+        " (the full search takes several seconds in a browser; every mesh near the top of it has these)."
       : "";
     out.append(el("p", { class: "calc-note" },
       `${r.feasible.toLocaleString("en")} layouts fit on ${r.gpus.toLocaleString("en")} ${r.gpu}; ` +
-      `${r.meshes} meshes, the best of each below, fastest first. ${published}`),
+      `${r.meshes} meshes, the best of each below, fastest first. ${published}` +
+      `Step times assume the efficiency fitted to published runs: GEMMs at ${percent(efficiency.gemm)} ` +
+      `of the dense peak, the other kernels' activations through memory ${efficiency.passes} times ` +
+      `(chapter 13).${searched}`),
       el("div", { class: "calc-scroll", tabindex: "0", role: "region", "aria-label": "ranked layouts" },
         el("table", { class: "calc-table" },
           el("thead", {}, el("tr", {}, ...head.map((h) => el("th", { scope: "col" }, h)))),
@@ -207,14 +221,19 @@
       const out = document.getElementById("calc-plan-out");
       let chosen = 0;
       const pick = (i) => { chosen = i; update(); out.querySelector(`[data-row="${i}"] button`)?.focus(); };
-      const update = () => drawPlan(out, call("plan", values(planForm)), chosen, pick);
-      const preset = () => {
+      const update = () => drawPlan(out, call("plan", values(planForm)), chosen, pick, presets.efficiency);
+      const preset = () => {  // a published run on this model and cluster: its batch and settings
         const run = presets.published.find((p) => p.model === planForm.elements.model.value &&
           p.cluster === planForm.elements.cluster.value);
-        if (run) planForm.elements.global_batch.value = run.global_batch;
+        if (!run) return;
+        for (const name of ["global_batch", "cp", "framework"]) planForm.elements[name].value = run[name];
+        planForm.elements.dp_overlap.checked = run.dp_overlap;
       };
       planForm.addEventListener("input", (e) => {
-        if (e.target.name !== "global_batch") preset();
+        if (e.target.name === "model" || e.target.name === "cluster") preset();
+        if (e.target.name === "framework") {  // the framework's own overlap, until changed
+          planForm.elements.dp_overlap.checked = presets.frameworks[e.target.value].dp_overlap;
+        }
         chosen = 0;
         update();
       });

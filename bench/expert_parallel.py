@@ -5,25 +5,31 @@ The layer: width 256, 8 experts (4x-wide GELU FFNs), top-2, dropless; each of th
 routes its own 512 tokens. One training step is its forward and backward pass; each rank
 times STEPS steps after a warm-up, from a barrier to the slowest rank's end. The single
 process (a launch of one rank, under the same settings) runs the 2,048 tokens of all four
-ranks, rank by rank, through the whole layer. The two alternate, round after round. Every
-process computes with one thread (``LABSUPPORT_THREADS=1``): on a busy 2-core machine, two
-threads per process made the single process's small matrix products 20 times slower.
-The 4 ranks share the cores and every token crosses loopback; the ratio is reported,
-with no target. The
-bytes are counted by ``comm.traced`` in one step and held against
+ranks, rank by rank, through the whole layer. The two alternate, round after round; the
+ratio is the median of the rounds' pairs. Every process computes with one thread
+(``LABSUPPORT_THREADS=1``): on a busy 2-core machine, two threads per process made the
+single process's small matrix products 20 times slower. The 4 ranks share the cores and
+every token crosses loopback; the ratio is reported, with no target. The floor of the
+step: the one process's work spread without loss over the cores the 4 ranks can use
+(:func:`bench.floors.shared_cores_floor_seconds`; on a machine others load, the ranks,
+being more processes, get a larger share of its cores and can pass it). The bytes are
+counted by ``comm.traced`` in one step and held against their floor,
 ``estimate.moe.all_to_all_bytes`` of the step's routing plus the count exchange.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from bench import floors, report
+
 WIDTH, EXPERTS, TOP_K, TOKENS, WORLD = 256, 8, 2, 512, 4
-STEPS, ROUNDS = 5, 3
+STEPS, ROUNDS = 5, 5
 
 
 def tokens(rank: int) -> torch.Tensor:
@@ -77,44 +83,71 @@ def timed(kind: str) -> dict | None:
         step(model, batches)
     elapsed = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return out | {"step": elapsed.item() / STEPS}
+    return out | {"step": elapsed.item() / STEPS, "threads": torch.get_num_threads()}
+
+
+def summarise(ep: list, single: list, bytes_rows: list, cores: int) -> list[dict]:
+    """The bench's lines from the rounds' results and one round's bytes per rank."""
+    ep_s, single_s = [r["step"] for r in ep], [r["step"] for r in single]
+    floor = [
+        floors.shared_cores_floor_seconds(s["step"], s["threads"], WORLD, e["threads"], cores)
+        for e, s in zip(ep, single, strict=True)
+    ]
+    return [
+        report.line("one process, every expert", statistics.median(single_s), "s"),
+        report.line(
+            f"EP {WORLD}, {EXPERTS // WORLD} experts per rank",
+            statistics.median(ep_s),
+            "s",
+            of_floor=report.paired(ep_s, floor),
+            floor=f"the one process's time, its threads spread over the {cores} cores "
+            f"{WORLD} ranks of {ep[0]['threads']} thread(s) can use; median "
+            f"{statistics.median(floor) * 1e3:.1f} ms",
+            vs=("one process", report.paired(ep_s, single_s)),
+        ),
+        report.line(
+            "EP, bytes each rank sent in one step (all-to-alls)",
+            statistics.median(r["bytes"] for r in bytes_rows),
+            "B",
+            of_floor=report.paired(
+                [r["bytes"] for r in bytes_rows], [r["formula"] for r in bytes_rows], "ranks"
+            ),  # fmt: skip
+            floor="estimate.moe.all_to_all_bytes of the step's routing, plus the counts",
+        ),
+    ]
 
 
 def main() -> int:
     import os
 
     from labsupport import launch
+    from labsupport.measure.probe import usable_cores
 
     os.environ["LABSUPPORT_THREADS"] = "1"  # every process one thread (see above)
-    ep, single, bytes_rows = [], [], None
-    for _ in range(ROUNDS):  # alternate, so that both see the same machine load
+    bytes_rows = []
+
+    def ep():
         results = launch(timed, WORLD, args=("ep",), timeout=900)
-        ep.append(results[0]["step"])
-        bytes_rows = results
-        single.append(launch(timed, 1, args=("single",), timeout=900)[0]["step"])
-    median = sorted(e / s for e, s in zip(ep, single, strict=True))[ROUNDS // 2]
+        bytes_rows[:] = results
+        return results[0]
+
+    runs = {"ep": ep, "single": lambda: launch(timed, 1, args=("single",), timeout=900)[0]}
+    rounds = report.in_turns(runs, ROUNDS)
     print(
         f"\nan MoE layer (width {WIDTH}, {EXPERTS} experts, top-{TOP_K}, dropless), "
-        f"{WORLD} x {TOKENS} tokens, forward and backward, {ROUNDS} rounds"
+        f"{WORLD} x {TOKENS} tokens, forward and backward, {ROUNDS} rounds in turns"
     )
-    print(f"{'run':40s} {'median step':>12s}")
-    for label, times in (
-        ("one process, every expert", single),
-        (f"EP {WORLD}, 2 experts per rank", ep),
-    ):
-        print(f"{label:40s} {sorted(times)[ROUNDS // 2] * 1e3:10.1f}ms")
-    print(
-        f"\nEP {WORLD} step / single-process step, median over rounds: {median:.2f}x "
-        f"(reported, no target: {WORLD} ranks share this machine's cores)"
-    )
-    print("\nbytes each rank sent in one step (all-to-alls), against the formula")
-    print(f"{'rank':>4s} {'counted':>12s} {'formula':>12s}")
-    exact = True
+    lines = summarise(rounds["ep"], rounds["single"], bytes_rows, usable_cores())
+    report.print_lines(lines, "x one process")
+    print(f"(time reported, no target: {WORLD} ranks share this machine's cores)")
+    print(f"{'rank':>4s} {'bytes sent':>12s} {'formula':>12s}")
     for rank, r in enumerate(bytes_rows):
-        exact &= r["bytes"] == r["formula"]
         print(f"{rank:4d} {r['bytes']:12,d} {r['formula']:12,d}")
-    print(f"target: bytes per rank exactly the formula -> {'met' if exact else 'MISSED'}")
-    return 0 if exact else 1
+    exact = all(r["bytes"] == r["formula"] for r in bytes_rows)
+    targets = [report.target("bytes per rank exactly the formula", f"{exact}", exact)]
+    config = {"width": WIDTH, "experts": EXPERTS, "top_k": TOP_K, "tokens": TOKENS,
+              "world": WORLD, "steps": STEPS, "rounds": ROUNDS}  # fmt: skip
+    return report.record("expert_parallel", config, lines, targets)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,15 @@ Each is timed from the call to the results, the way a notebook cell waits for it
 ``torchrun`` as the whole command.
 
 Then what a training cell pays: a warm launch whose ranks create an optimizer and take
-one step (forward, backward, all-reduce of the gradients, ``Adam.step``), timed in turns
-with the empty warm launch. The targets, checked at the end (the exit code says whether
-they held): a warm launch takes at most a fifth of torchrun's time, and the launch with
-an optimizer step at most twice the empty one.
+one step (forward, backward, all-reduce of the gradients, ``Adam.step``).
+
+The floor: starting 4 processes as bare as a process starts, ``os.fork`` without ``exec``
+from this Python that has imported torch, each child leaving at once, waited for. Every
+launcher runs in turns with it and with a warm launch, round after round (the slow ones
+in fewer rounds, each round with its own warm launch and fork); each ratio is the median
+over the rounds of the pair's. The targets, checked at the end (the exit code says
+whether they held): a warm launch takes at most a fifth of torchrun's time, and the
+launch with an optimizer step at most twice the empty one.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from bench import report
+
 WORLD = 4
-REPEATS = {"warm": 10, "cold": 3, "spawn": 3, "torchrun": 3}
+ROUNDS = {"warm": 10, "slow": 3}  # rounds of the warm launches, of the slow launchers
 
 
 def job() -> float:
@@ -96,13 +103,19 @@ def time_warm_launch(fn=job) -> float:
     return time.perf_counter() - start
 
 
-def time_in_turns(runs: dict, repeats: int) -> dict:
-    """Time each of ``runs`` ``repeats`` times, in turns, so that load slows all alike."""
-    times = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            times[name].append(run())
-    return times
+def time_bare_fork(processes: int = WORLD) -> float:
+    """Seconds to fork ``processes`` children that exit at once (no ``exec``), and reap
+    them: the least a launcher of that many ranks pays."""
+    start = time.perf_counter()
+    children = []
+    for _ in range(processes):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        children.append(pid)
+    for pid in children:
+        os.waitpid(pid, 0)
+    return time.perf_counter() - start
 
 
 def time_spawn() -> float:
@@ -132,36 +145,63 @@ def time_torchrun() -> float:
     return time.perf_counter() - start
 
 
+WARM, STEP = "labsupport.launch, warm", "launch + create an optimizer + one step"
+FORK = f"bare fork of {WORLD} processes"
+
+
+def summarise(warm: dict, slow: dict) -> list[dict]:
+    """The bench's lines: each launcher against the warm launch run beside it, and
+    against the bare fork run beside it."""
+    lines = [report.line(FORK, statistics.median(warm[FORK]), "s")]
+    for times in (warm, slow):
+        for name, ts in times.items():
+            if name == FORK or (times is slow and name == WARM):
+                continue
+            vs = None if name == WARM else (WARM, report.paired(ts, times[WARM]))
+            floor = f"{FORK} (os.fork, no exec, from this Python with torch imported)"
+            lines.append(
+                report.line(
+                    name, statistics.median(ts), "s", report.paired(ts, times[FORK]), floor, vs
+                )
+            )
+    return lines
+
+
 def main() -> int:
-    times = {
-        "labsupport.launch, cold": [time_cold_launch() for _ in range(REPEATS["cold"])],
-        "labsupport.launch, warm": None,
-        "torch.multiprocessing.spawn": [time_spawn() for _ in range(REPEATS["spawn"])],
-        "torchrun": [time_torchrun() for _ in range(REPEATS["torchrun"])],
-    }
     time_warm_launch()  # start the forkserver: what follows is warm
-    step = "launch + create an optimizer + one step"
-    warm_runs = {
-        "labsupport.launch, warm": time_warm_launch,
-        step: partial(time_warm_launch, optimizer_step),
-    }
-    times.update(time_in_turns(warm_runs, REPEATS["warm"]))
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
-    warm = medians["labsupport.launch, warm"]
-    print(f"\n{WORLD} ranks, init + one all_reduce, from the call to the results (median)")
-    print(f"{'launcher':40s} {'median':>9s} {'min':>9s} {'runs':>5s} {'x warm launch':>14s}")
-    for name, ts in times.items():
-        print(
-            f"{name:40s} {medians[name]:8.3f}s {min(ts):8.3f}s {len(ts):5d} "
-            f"{medians[name] / warm:13.1f}x"
-        )
-    ratio, cost = medians["torchrun"] / warm, medians[step] / warm
-    fast, cheap = ratio >= 5, cost <= 2
-    print(f"\ntarget: a warm launch takes at most 1/5 of torchrun's time -> torchrun / warm = "
-          f"{ratio:.1f} ({'met' if fast else 'MISSED'})")  # fmt: skip
-    print(f"target: {step} within 2x of the empty launch -> {cost:.1f}x "
-          f"({'met' if cheap else 'MISSED'})")  # fmt: skip
-    return 0 if fast and cheap else 1
+    warm = report.in_turns(
+        {
+            FORK: time_bare_fork,
+            WARM: time_warm_launch,
+            STEP: partial(time_warm_launch, optimizer_step),
+        },
+        ROUNDS["warm"],
+    )
+    slow = report.in_turns(
+        {
+            FORK: time_bare_fork,
+            WARM: time_warm_launch,
+            "labsupport.launch, cold": time_cold_launch,
+            "torch.multiprocessing.spawn": time_spawn,
+            "torchrun": time_torchrun,
+        },
+        ROUNDS["slow"],
+    )
+    print(
+        f"\n{WORLD} ranks, init + one all_reduce, from the call to the results; "
+        f"{ROUNDS['warm']} rounds of the warm launches in turns with a bare fork, "
+        f"{ROUNDS['slow']} of the slow ones, each beside a warm launch and a bare fork"
+    )
+    lines = summarise(warm, slow)
+    report.print_lines(lines, "x warm launch")
+    fast = report.paired(slow["torchrun"], slow[WARM])
+    cost = report.paired(warm[STEP], warm[WARM])
+    targets = [
+        report.target("a warm launch takes at most 1/5 of torchrun's time, torchrun / warm",
+                      str(fast), fast.median >= 5),
+        report.target(f"{STEP} within 2x of the empty launch", str(cost), cost.median <= 2),
+    ]  # fmt: skip
+    return report.record("launch", {"world": WORLD, "rounds": ROUNDS}, lines, targets)
 
 
 if __name__ == "__main__":

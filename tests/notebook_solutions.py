@@ -27,11 +27,11 @@ def solution_sources(lab: str) -> list[str]:
 
 
 def solution(lab: str, name: str):
-    """The function ``name`` that the lab's worked solutions define (they carry their
-    own imports)."""
+    """The function (or class) ``name`` that the lab's worked solutions define (they
+    carry their own imports)."""
     for source in solution_sources(lab):
         namespace: dict = {}
-        if re.search(rf"^def {re.escape(name)}\(", source, re.MULTILINE):
+        if re.search(rf"^(def|class) {re.escape(name)}\b", source, re.MULTILINE):
             exec(compile(source, f"<{lab} solution of {name}>", "exec"), namespace)
             return namespace[name]
     raise LookupError(f"{lab} has no worked solution defining {name}()")
@@ -43,5 +43,20 @@ def stub(name: str):
     def fn(*args, **kwargs):
         raise NotImplementedError
 
-    fn.__name__ = name
+    fn.__name__ = fn.__qualname__ = name
+    fn.__code__ = fn.__code__.replace(co_name=name, co_qualname=name)
     return fn
+
+
+def notebook_function(lab: str, name: str):
+    """The function ``name`` that one of the lab's code cells defines (a training loop
+    the lab runs in view), the cell run after the lab's first code cell, its imports."""
+    nb = nbformat.read(LABS / lab, as_version=4)
+    cells = [cell.source for cell in nb.cells if cell.cell_type == "code"]
+    for source in cells:
+        if re.search(rf"^def {re.escape(name)}\(", source, re.MULTILINE):
+            namespace: dict = {}
+            for code in (cells[0], source):
+                exec(compile(code, f"<{lab}: the cell of {name}>", "exec"), namespace)
+            return namespace[name]
+    raise LookupError(f"{lab} has no code cell defining {name}()")

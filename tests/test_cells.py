@@ -48,7 +48,7 @@ def test_an_exercise_says_correct_wrong_or_not_attempted(capsys):
     with pytest.raises(AssertionError, match="x=1: got 1, expected 2"):
         check_double(lambda x: x * x)
     assert not check_double(stub)
-    assert capsys.readouterr().out.startswith("Not attempted yet: write the body of stub()")
+    assert capsys.readouterr().out.startswith("Not attempted yet: write stub()")
 
 
 def rank_zero_stub():
@@ -69,9 +69,27 @@ def broken_on_rank_one():
     dist.barrier()
 
 
+class Sharded:
+    """A lab's class stub: the learner writes its methods."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def step(self):
+        raise NotImplementedError
+
+
+def calls_the_class_stub():
+    Sharded(2).step()
+
+
 def test_an_exercise_on_ranks_tells_a_stub_from_a_failure(capsys):
     assert not check_on_ranks(rank_zero_stub)
-    assert "Not attempted yet" in capsys.readouterr().out
+    assert capsys.readouterr().out.startswith("Not attempted yet: write rank_zero_stub(), then")
+    assert not check_on_ranks(calls_the_class_stub)  # the rank's traceback names step only
+    assert capsys.readouterr().out.startswith("Not attempted yet: write Sharded.step(), then")
+    assert not check_double(lambda x: Sharded(x).step())
+    assert capsys.readouterr().out.startswith("Not attempted yet: write Sharded.step(), then")
     with pytest.raises(LaunchError, match="a real mistake"):
         check_on_ranks(broken_on_rank_one)
 

@@ -295,3 +295,43 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return proc.cmdline()
     except psutil.Error:
         return []
+
+
+def test_reset_stops_what_earlier_attempts_left_and_the_next_launch_runs(kernel):
+    _, client = kernel
+    _, reply = run_cell(
+        client,
+        "import socket, subprocess, psutil, torch.distributed as dist\n"
+        "from labsupport import launch\n"
+        "from labsupport.labs import reset\n"
+        "mine = subprocess.Popen(['sleep', '600'])  # started in a cell, never waited for\n"
+        "def leaves_a_server():\n"
+        "    return subprocess.Popen(['sleep', '601'], start_new_session=True).pid\n"
+        "escaped = launch(leaves_a_server, 2)  # left running outside the kernel's tree\n"
+        "with socket.socket() as s:\n"
+        "    s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}',\n"
+        "                        rank=0, world_size=1)  # a rank's code run in the kernel\n"
+        "assert all(psutil.pid_exists(p) for p in escaped)",
+    )
+    assert reply["status"] == "ok", reply
+    messages, reply = run_cell(client, "done = reset()")
+    assert reply["status"] == "ok", reply
+    said = streams(messages)
+    assert "destroyed the process group this kernel had initialised" in said, said
+    assert "the launcher's forkserver" in said and "(sleep 600)" in said, said
+    assert said.count("(sleep 601)") == 2, said
+    assert said.rstrip().endswith("the next launch starts afresh."), said
+    messages, reply = run_cell(
+        client,
+        "import multiprocessing.resource_tracker, time\n"
+        "time.sleep(0.2)\n"
+        "kept = multiprocessing.resource_tracker._resource_tracker._pid\n"
+        "left = [c.pid for c in psutil.Process().children(recursive=True) if c.pid != kept]\n"
+        "print(mine.poll() is not None, any(psutil.pid_exists(p) for p in escaped),\n"
+        "      dist.is_initialized(), socket.socket().connect_ex(('127.0.0.1', port)) != 0,\n"
+        "      left)\n"
+        "print(launch(lambda: 1, 2))",
+    )
+    assert reply["status"] == "ok", reply
+    assert streams(messages).splitlines()[-2:] == ["True False False True []", "[1, 1]"]

@@ -130,7 +130,7 @@ def accepts(check, fn, capsys) -> None:
 
 def says_not_attempted(check, name, capsys) -> None:
     assert not check(stub(name))
-    assert capsys.readouterr().out.startswith(f"Not attempted yet: write the body of {name}()")
+    assert capsys.readouterr().out.startswith(f"Not attempted yet: write {name}()")
 
 
 def test_check_untied_gpt_params(capsys):

@@ -147,7 +147,7 @@ def test_explorer_choices_are_sorted_and_reach_the_lab_s_settings():
 
 def test_check_training_days(capsys):
     assert not lab03_walls.check_training_days(stub("training_days"))
-    assert capsys.readouterr().out.startswith("Not attempted yet: write the body of training_")
+    assert capsys.readouterr().out.startswith("Not attempted yet: write training_")
     days = solution(LAB, "training_days")
     assert lab03_walls.check_training_days(days)
     said = capsys.readouterr().out
@@ -164,7 +164,7 @@ def test_check_training_days(capsys):
 
 def test_check_min_gpus(capsys):
     assert not lab03_walls.check_min_gpus(stub("min_gpus"))
-    assert "Not attempted yet: write the body of min_gpus()" in capsys.readouterr().out
+    assert "Not attempted yet: write min_gpus()" in capsys.readouterr().out
     assert lab03_walls.check_min_gpus(solution(LAB, "min_gpus"))
     said = capsys.readouterr().out
     assert said.startswith("Correct: ") and "ceil" not in said and "16·" not in said

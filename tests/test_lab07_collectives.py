@@ -113,7 +113,7 @@ def checks(capsys, checker, lab, name, verified, mistakes):
         with pytest.raises(AssertionError, match=message):
             checker(mistake)
     assert not checker(stub(name))
-    assert capsys.readouterr().out.startswith(f"Not attempted yet: write the body of {name}()")
+    assert capsys.readouterr().out.startswith(f"Not attempted yet: write {name}()")
 
 
 def test_ring_all_gather_checker(capsys):

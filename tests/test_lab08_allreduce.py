@@ -1,13 +1,15 @@
 """Lab 8, all-reduce algorithms: the emulated network and the side-by-side timing on real
 ranks, and the exercises' checkers, which accept the notebook's worked solutions and reject
-the common mistakes. (The algorithms, their bytes and costs are tested in
-tests/test_comm.py.)"""
+the common mistakes, one of which deadlocks the ranks and must come back as a timeout.
+(The algorithms, their bytes and costs are tested in tests/test_comm.py.)"""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
+import torch.distributed as dist
 from notebook_solutions import solution
 from test_lab07_collectives import checks
 
@@ -15,7 +17,9 @@ from labsupport import LaunchError, launch
 from labsupport.comm import allreduce, p2p
 from labsupport.comm.allreduce import ALGORITHMS
 from labsupport.comm.cost import all_reduce_time
+from labsupport.comm.p2p import Group, exchange
 from labsupport.labs import lab08_allreduce
+from labsupport.labs import lab08_exercises as exercises
 
 LAB = "08-allreduce.ipynb"
 
@@ -81,6 +85,114 @@ def test_torch_cannot_be_timed_on_the_emulated_network():
         )
 
 
+# --------------------------------------------------------------------------- exercises
+
+
+def ring(tensor, all_gather=True, scale=1, gather_offset=0):
+    """The worked solution's ring, with a switch for each mistake below."""
+    g = Group()
+    n, right, left = g.size, (g.me + 1) % g.size, (g.me - 1) % g.size
+    chunks = tensor.view(-1).tensor_split(n)
+    for step in range(n - 1):
+        target = chunks[(g.me - 2 - step) % n]
+        incoming = torch.empty_like(target)
+        exchange(g, send=chunks[(g.me - 1 - step) % n], dst=right, recv=incoming, src=left)
+        target += incoming
+    for step in range(n - 1 if all_gather else 0):
+        send = chunks[(g.me - step + gather_offset) % n]
+        exchange(g, send=send, dst=right, recv=chunks[(g.me - 1 - step) % n], src=left)
+    tensor /= scale
+
+
+def averages(tensor):
+    """The mean, as DDP wants its gradients, rather than the sum asked for."""
+    ring(tensor, scale=dist.get_world_size())
+
+
+def skips_the_all_gather(tensor):
+    """Stops after the reduce-scatter: each rank has only its own chunk summed."""
+    ring(tensor, all_gather=False)
+
+
+def passes_on_the_wrong_chunk(tensor):
+    """All-gather: sends the chunk it is about to receive, not the one it just got; with
+    uneven chunks, a message lands in a buffer too small for it, and gloo aborts."""
+    ring(tensor, gather_offset=-1)
+
+
+def overwrites(tensor):
+    """Reduce-scatter: receives into the chunk instead of adding to it."""
+    g = Group()
+    n, right, left = g.size, (g.me + 1) % g.size, (g.me - 1) % g.size
+    chunks = tensor.view(-1).tensor_split(n)
+    for step in range(n - 1):
+        send, target = chunks[(g.me - 1 - step) % n], chunks[(g.me - 2 - step) % n]
+        exchange(g, send=send, dst=right, recv=target, src=left)
+    for step in range(n - 1):
+        send, target = chunks[(g.me - step) % n], chunks[(g.me - 1 - step) % n]
+        exchange(g, send=send, dst=right, recv=target, src=left)
+
+
+def whole_tensor_each_step(tensor):
+    """Passes every rank's whole tensor around the ring and adds: the right sums, but each
+    rank sends (N - 1) S bytes rather than 2(N - 1)/N S."""
+    g = Group()
+    passing, total = tensor.clone(), tensor.clone()
+    for _ in range(g.size - 1):
+        incoming = torch.empty_like(passing)
+        exchange(g, send=passing, dst=(g.me + 1) % g.size, recv=incoming, src=(g.me - 1) % g.size)
+        total += incoming
+        passing = incoming
+    tensor.copy_(total)
+
+
+def torch_all_reduce(tensor):
+    """Right, but torch's own collective: nothing goes through labsupport.comm.p2p."""
+    dist.all_reduce(tensor)
+
+
+def sends_before_receiving(tensor):
+    """Blocking sends first: every rank waits for its right neighbour to receive, and the
+    neighbour is sending too. The ranks deadlock."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = tensor.view(-1).tensor_split(world)
+    for step in range(world - 1):
+        dist.send(chunks[(rank - 1 - step) % world], (rank + 1) % world)
+        incoming = torch.empty_like(chunks[(rank - 2 - step) % world])
+        dist.recv(incoming, (rank - 1) % world)
+        chunks[(rank - 2 - step) % world].add_(incoming)
+
+
+def test_check_ring_all_reduce(capsys):
+    mistakes = [
+        (
+            averages,
+            r"rank 0: the tensor \(7 values, 3 ranks\) differs at \[0\] .*: expected "
+            r"111, got 37 \(that is the mean",
+        ),
+        (
+            skips_the_all_gather,
+            r"rank 0: .* differs at \[3\] .*: expected 444, got 404 \(only elements 0 to 2 hold",
+        ),
+        (
+            passes_on_the_wrong_chunk,
+            r"on 3 ranks, rank \d crashed \(killed by signal SIGABRT\).*chunk indices",
+        ),
+        (
+            whole_tensor_each_step,
+            r"rank 0 sent 56 bytes, .* 32 to 48 bytes .*"
+            r"\(labsupport.comm's ring: 36\): as if each step sent the whole tensor",
+        ),
+        (torch_all_reduce, r"rank 0 sent 0 bytes, .*nothing went through labsupport.comm.p2p"),
+    ]
+    verified = "your ring gives dist.all_reduce's sums"
+    check = exercises.check_ring_all_reduce
+    checks(capsys, check, LAB, "ring_all_reduce", verified, mistakes)
+    with pytest.raises(AssertionError, match="did not all finish within 10 s") as info:
+        check(sends_before_receiving, timeout=10)
+    assert "post each step's send and receive together" in str(info.value)
+
+
 def test_check_ring_bytes(capsys):
     mistakes = [
         # forgets that a step sends one chunk
@@ -94,7 +206,7 @@ def test_check_ring_bytes(capsys):
         (lambda s, n: None, "should return a number of bytes"),
     ]
     verified = "the bytes each rank sends"
-    checks(capsys, lab08_allreduce.check_ring_bytes, LAB, "ring_bytes", verified, mistakes)
+    checks(capsys, exercises.check_ring_bytes, LAB, "ring_bytes", verified, mistakes)
 
 
 def test_check_ring_time(capsys):
@@ -112,7 +224,7 @@ def test_check_ring_time(capsys):
         ),
     ]
     verified = "the alpha-beta time of a ring"
-    checks(capsys, lab08_allreduce.check_ring_time, LAB, "ring_time", verified, mistakes)
+    checks(capsys, exercises.check_ring_time, LAB, "ring_time", verified, mistakes)
 
 
 @pytest.mark.parametrize("world", [4, 8, 1024])

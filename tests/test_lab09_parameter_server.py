@@ -1,20 +1,26 @@
 """Lab 9, the parameter server: the bytes through the server counted against the protocol's
 formula, the records read back, the simulated timelines, the drawings, and the exercises'
-checkers against the notebook's solutions and common mistakes. (The server itself is
-tested in tests/test_parallel_ps.py.)"""
+checkers against the notebook's solutions and common mistakes, one of which waits for a
+message no server sends and must come back as a timeout. (The server itself is tested in
+tests/test_parallel_ps.py.)"""
 
 from __future__ import annotations
 
 import matplotlib
 import matplotlib.pyplot as plt
 import pytest
+import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from matplotlib.text import Text
 from notebook_solutions import solution
 from test_lab07_collectives import checks
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from labsupport import launch
+from labsupport.labs import lab09_exercises as exercises
 from labsupport.labs import lab09_parameter_server as lab
+from labsupport.parallel import parameter_server as ps
 from labsupport.viz import parameter_server as draw
 
 matplotlib.use("Agg")
@@ -100,7 +106,7 @@ def test_simulate_sync_waits_for_the_slowest_and_async_does_not():
     assert order.count(0) == order.count(1) == 8 and order.count(2) == 2
     # the records follow the same rule as the real server (exercise 2's model)
     staleness = [u["staleness"] for u in asynchronous["updates"]]
-    assert staleness == lab.simulate_staleness(order, 3)
+    assert staleness == exercises.simulate_staleness(order, 3)
     assert max(staleness) >= 7  # the straggler's gradients: 8 updates of the others
 
 
@@ -129,6 +135,64 @@ def test_lab_drawings_show_every_run():
 # --------------------------------------------------------------------------- exercises
 
 
+def loop(client, model, batch, loss_fn, steps, pull_every_step=True, push="grad", zero=True):
+    """The worked solution's loop, with a switch for each mistake below."""
+    for step in range(steps):
+        if step == 0 or pull_every_step:
+            vector_to_parameters(client.pull(), model.parameters())
+        inputs, targets = batch(client.worker, step)
+        if zero:
+            model.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        grads = (p.grad if push == "grad" else p.detach() for p in model.parameters())
+        client.push(parameters_to_vector(grads), loss.item())
+
+
+def pushes_the_weights(client, model, batch, loss_fn, steps):
+    loop(client, model, batch, loss_fn, steps, push="weights")
+
+
+def pulls_only_once(client, model, batch, loss_fn, steps):
+    """Trains on the first parameters for ever: its pushes report version 0."""
+    loop(client, model, batch, loss_fn, steps, pull_every_step=False)
+
+
+def never_zeroes_the_gradients(client, model, batch, loss_fn, steps):
+    """Each push carries the sum of the gradients of every step so far."""
+    loop(client, model, batch, loss_fn, steps, zero=False)
+
+
+def receives_the_parameters_itself(client, model, batch, loss_fn, steps):
+    """Waits for parameters of its own before it pushes: the server sent the first ones at
+    the start (the client has them) and sends more only in answer to a push. Every rank
+    waits: the workers for the server, the server for their pushes."""
+    incoming = torch.empty(sum(p.numel() for p in model.parameters()) + 1)
+    dist.recv(incoming, src=0)
+    ps.work(client, model, batch, loss_fn, steps)
+
+
+def test_check_worker_loop(capsys):
+    mistakes = [
+        (
+            pushes_the_weights,
+            r"rank 0: the server's parameter vector after 4 synchronous steps differs at .*: "
+            r"expected .*shrank by a factor 1 - lr = 0.7 .*you pushed the weights",
+        ),
+        (
+            pulls_only_once,
+            r"worker \d's gradient was computed on version 0 of the parameters while the "
+            r"server was at 1: pull before each step",
+        ),
+        (never_zeroes_the_gradients, r"zero the gradients before each backward"),
+    ]
+    verified = "synchronously, the server ends with one process's parameters after 4 steps"
+    checks(capsys, exercises.check_worker_loop, LAB, "worker_loop", verified, mistakes)
+    with pytest.raises(AssertionError, match="did not all finish within 20 s") as info:
+        exercises.check_worker_loop(receives_the_parameters_itself, timeout=20)
+    assert "wait for no message of its own (dist.recv)" in str(info.value)
+
+
 def test_check_server_bytes(capsys):
     mistakes = [
         (lambda n, w, s: 4 * n // s, "one worker's push"),
@@ -138,7 +202,7 @@ def test_check_server_bytes(capsys):
         (lambda n, w, s: None, "should return a number"),
     ]
     verified = "the bytes a server receives per step"
-    checks(capsys, lab.check_server_bytes, LAB, "server_bytes", verified, mistakes)
+    checks(capsys, exercises.check_server_bytes, LAB, "server_bytes", verified, mistakes)
 
 
 def pulls_after_its_own_update(order, workers):
@@ -158,4 +222,4 @@ def test_check_staleness(capsys):
         (lambda order, workers: None, "should return a list"),
     ]
     verified = "the staleness of every push"
-    checks(capsys, lab.check_staleness, LAB, "staleness_of", verified, mistakes)
+    checks(capsys, exercises.check_staleness, LAB, "staleness_of", verified, mistakes)

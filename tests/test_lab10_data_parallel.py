@@ -1,4 +1,5 @@
-"""Lab 10, data parallelism: the three wrappers against one process, one step's timeline,
+"""Lab 10, data parallelism: the notebook's training loop with the three wrappers against
+one process, one step's timeline,
 its bytes counted, the overlap model, the profiler trace read back, the sampler, averaging
 against summing, the drawings, and the exercises' checkers against the notebook's
 solutions and common mistakes. (The DDP itself is tested in tests/test_parallel_data.py.)"""
@@ -7,9 +8,11 @@ from __future__ import annotations
 
 import matplotlib
 import matplotlib.pyplot as plt
+import nbformat
 import pytest
 import torch
 import torch.distributed as dist
+from notebook_solutions import LABS
 from test_lab07_collectives import checks
 from torch.utils.data import DistributedSampler
 
@@ -29,13 +32,29 @@ def close_figures():
     plt.close("all")
 
 
-def test_every_wrapper_trains_as_one_process_on_the_whole_batch():
-    reference = lab.single_process(1, 2)
-    tolerance = lab.LR * (2 * lab.BATCH * lab.CONFIG["block_size"]) * 2**-24  # as the lab
-    for kind in lab.WRAPPERS:
-        results = launch(lab.train, 2, args=(kind, 1), timeout=120)
-        assert lab.max_difference(results[0]["params"], results[1]["params"]) == 0
-        assert lab.max_difference(results[0]["params"], reference) <= tolerance
+def notebook_loop() -> dict:
+    """The namespace of the lab's imports and of its cell that defines the training loop,
+    ``train(kind, steps)``, run here as the notebook runs them."""
+    cells = [
+        c.source for c in nbformat.read(LABS / LAB, as_version=4).cells if c.cell_type == "code"
+    ]
+    namespace: dict = {}
+    for source in (cells[0], next(s for s in cells if "\ndef train(" in s)):
+        exec(compile(source, f"<{LAB}>", "exec"), namespace)
+    return namespace
+
+
+def test_the_notebooks_loop_trains_as_one_process_on_the_whole_batch():
+    reference, reference_losses = lab.single_process(2, 2)
+    tolerance = 2 * lab.LR * (2 * lab.BATCH * lab.CONFIG["block_size"]) * 2**-24  # as the lab
+    loop = notebook_loop()
+    assert list(loop["WRAPPERS"]) == ["naive", "ours", "torch"]
+    for kind in loop["WRAPPERS"]:
+        (first, losses0), (second, losses1) = launch(loop["train"], 2, args=(kind, 2), timeout=120)
+        assert lab.max_difference(first, second) == 0
+        assert lab.max_difference(first, reference) <= tolerance
+        for mine, theirs, one in zip(losses0, losses1, reference_losses, strict=True):
+            assert (mine + theirs) / 2 == pytest.approx(one, abs=1e-5)
 
 
 def test_step_timeline_records_every_bucket_in_order():

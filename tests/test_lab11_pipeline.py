@@ -11,6 +11,7 @@ import torch
 from test_lab07_collectives import checks
 
 from labsupport import launch
+from labsupport.labs import lab11_exercises as exercises
 from labsupport.labs import lab11_pipeline as lab
 from labsupport.labs import lab11_stages as stages
 from labsupport.parallel import schedules
@@ -160,7 +161,7 @@ def test_check_gpipe_schedule(capsys):
         acts = schedules.gpipe(p, m, rank)
         return acts if rank else backwards_in_forward_order(p, m, rank)
 
-    assert lab.check_gpipe_schedule(backwards_in_forward_order)
+    assert exercises.check_gpipe_schedule(backwards_in_forward_order)
     mistakes = [
         (one_f_one_b, "hold .* micro-batches at their peak"),
         (sends_before_computing, "send_act 0 before forward 0"),
@@ -169,7 +170,122 @@ def test_check_gpipe_schedule(capsys):
         (lambda p, m, rank: None, "return a list of schedules.Action"),
     ]
     verified = "GPipe as data"
-    checks(capsys, lab.check_gpipe_schedule, LAB, "my_gpipe", verified, mistakes)
+    checks(capsys, exercises.check_gpipe_schedule, LAB, "my_gpipe", verified, mistakes)
+
+
+def one_f_one_b_with(warmup, backward_first=False):
+    """1F1B written out, with ``warmup(p, rank)`` forwards before the steady state (and,
+    with ``backward_first``, each backward before its forward in the steady state)."""
+
+    def my_1f1b(p, m, rank):
+        A, first, last = schedules.Action, rank == 0, rank == p - 1
+
+        def forward(k):
+            return (
+                [A("recv_act", k, 0)] * (not first)
+                + [A("forward", k, 0)]
+                + [A("send_act", k, 0)] * (not last)
+            )
+
+        def backward(k):
+            return (
+                [A("recv_grad", k, 0)] * (not last)
+                + [A("backward", k, 0)]
+                + [A("send_grad", k, 0)] * (not first)
+            )
+
+        w = max(0, min(warmup(p, rank), m))
+        actions = [a for k in range(w) for a in forward(k)]
+        for k in range(m - w):
+            pair = (
+                (backward(k), forward(w + k)) if backward_first else (forward(w + k), backward(k))
+            )
+            actions += pair[0] + pair[1]
+        return actions + [a for k in range(m - w, m) for a in backward(k)]
+
+    return my_1f1b
+
+
+def never_returns_unless_m_divides(p, m, rank):
+    """Walks the micro-batches in groups of p: never reaches m = 6 with p = 4."""
+    k = 0
+    while k != m:
+        k += p
+    return schedules.one_f_one_b(p, m, rank)
+
+
+def test_check_1f1b_schedule(capsys):
+    gpipe = schedules.gpipe
+    mistakes = [
+        (gpipe, r"p=4, m=6: the bubble is 1F1B's, but the stages hold \[6, 6, 6, 6\] micro-"
+         r"batches' activations at their peak \(GPipe's order.*\[4, 3, 2, 1\]"),
+        (one_f_one_b_with(lambda p, r: p - r), r"hold \[5, 4, 3, 2\] micro-batches'"),
+        (one_f_one_b_with(lambda p, r: p - r - 2), r"p=4, m=6: it runs, but the stages idle "
+         r"0.571 of the step in the simulator, where 1F1B idles \(p-1\)/\(m\+p-1\) = 0.333"),
+        (one_f_one_b_with(lambda p, r: r), r"p=4, m=6: the stages deadlock: stage 0 stops at "
+         r"my_1f1b\(4, 6, 0\)\[3\], B0 at time slot 1, waiting for the gradient of "
+         r"micro-batch 0 from stage 1; stage 1 stops at my_1f1b\(4, 6, 1\)\[4\], F1 at time "
+         r"slot 2.*stage by stage: \[1, 2, 3, 4\]"),
+        (one_f_one_b_with(lambda p, r: p - r - 1, backward_first=True),
+         "rank 3: backward 0 before forward 0"),
+    ]  # fmt: skip
+    verified = "1F1B as data: the simulator plays it"
+    checks(capsys, exercises.check_1f1b_schedule, LAB, "my_1f1b", verified, mistakes)
+    with pytest.raises(AssertionError, match="did not all finish within 10 s") as info:
+        exercises.check_1f1b_schedule(never_returns_unless_m_divides, timeout=10)
+    assert "m not a multiple of p" in str(info.value)
+
+
+def zb_h1_then(change):
+    """ZB-H1's computations (the library's order), changed by ``change(order, m)``."""
+
+    def my_zb_h1(p, m, rank):
+        order = [a for a in schedules.build("zb-h1", p, m)[rank] if a.kind not in schedules.COMM]
+        return change(order, m)
+
+    return my_zb_h1
+
+
+def each_w_after_its_b(order, m):
+    out = []
+    for a in order:
+        if a.kind != "backward_weight":
+            out.append(a)
+        if a.kind == "backward_input":
+            out.append(a._replace(kind="backward_weight"))
+    return out
+
+
+def every_w_at_the_end(order, m):
+    return [a for a in order if a.kind != "backward_weight"] + [
+        schedules.Action("backward_weight", k, 0) for k in range(m)
+    ]
+
+
+def w_before_its_b(order, m):
+    first_w = next(i for i, a in enumerate(order) if a.kind == "backward_weight")
+    w = order.pop(first_w)
+    return [w, *order]
+
+
+def test_check_zb_h1_schedule(capsys):
+    mistakes = [
+        (zb_h1_then(each_w_after_its_b), r"p=4, m=6: it runs, but the stages idle 0.250 of "
+         r"the step .*where ZB-H1 idles 0.143: every W right after its B is 1F1B's bubble"),
+        (zb_h1_then(every_w_at_the_end), r"p=4, m=6: the stages hold \[6, 6, 6, 6\] micro-"
+         r"batches' activations at their peak \(each until its W\); ZB-H1 holds at most "
+         r"\[4, 4, 4, 4\]"),
+        (zb_h1_then(w_before_its_b), "p=4, m=6, rank 0: backward_weight 0 before "
+         "backward_input 0"),
+        (schedules.one_f_one_b, "rank 0: send_act: the computations only"),
+        (zb_h1_then(lambda order, m: [a._replace(kind="backward") if a.kind ==
+                                      "backward_input" else a for a in order]),
+         "backward 0 is whole: split it"),
+    ]  # fmt: skip
+    verified = "ZB-H1 as data: the simulator plays it"
+    checks(capsys, exercises.check_zb_h1_schedule, LAB, "my_zb_h1", verified, mistakes)
+    with pytest.raises(AssertionError, match="did not all finish within 10 s"):
+        exercises.check_zb_h1_schedule(never_returns_unless_m_divides, timeout=10)
 
 
 def test_zero_bubble_steps_and_torchs_schedule_give_one_process_gradients():

@@ -6,14 +6,19 @@ tests/test_estimate.py.)"""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from notebook_solutions import solution, stub
 from test_lab07_collectives import checks
 
 from labsupport import launch
 from labsupport.estimate.memory import activation_memory
+from labsupport.labs import lab12_exercises as exercises
 from labsupport.labs import lab12_memory as memory
+from labsupport.labs import lab12_mlp_runs as runs
 from labsupport.labs import lab12_tensor_parallel as lab
+from labsupport.parallel import tensor_parallel as tp
 
 LAB = "12-tensor-parallel.ipynb"
 
@@ -145,3 +150,119 @@ def test_check_sp_activations(capsys):
     ]
     verified = "activation bytes per layer"
     checks(capsys, lab.check_sp_activations, LAB, "sp_activation_bytes", verified, mistakes)
+
+
+# --------------------------------------------------------------------------- f, g, the MLP
+# Each wrong answer is the worked solution with one thing changed, written out whole.
+
+
+class AveragesTheGradient(torch.autograd.Function):
+    """f whose backward averages, as data parallelism does, instead of adding."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad / dist.get_world_size()
+
+
+class ForgetsTheSum(torch.autograd.Function):
+    """g whose forward returns this rank's partial sum."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class SumsOnRankZero(torch.autograd.Function):
+    """g that all-reduces on rank 0 only: rank 0 waits for the others for ever."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        if dist.get_rank() == 0:
+            dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_check_f_and_g(capsys):
+    f, g = solution(LAB, "f"), solution(LAB, "g")
+    assert exercises.check_f_and_g(f, g)
+    assert capsys.readouterr().out.startswith("Correct: on 2 and 4 ranks, the column→row MLP")
+    mistakes = [
+        ((g, f), "on 2 ranks .*, the forward pass is wrong: rank 0: the MLP's output differs "
+         r"at \[0, 0, 0\] .*\(f and g look swapped: your f all-reduces in the forward pass"),
+        ((f, ForgetsTheSum.apply), "the forward pass is wrong: rank 0: the MLP's output .*"
+         r"\(your g's forward returns this rank's partial sum"),
+        ((AveragesTheGradient.apply, g), "the forward pass is right, but the backward pass is "
+         r"not: rank 0: the gradient of the input x differs .*\(your f's backward averages"),
+    ]  # fmt: skip
+    for (wrong_f, wrong_g), message in mistakes:
+        with pytest.raises(AssertionError, match=message):
+            exercises.check_f_and_g(wrong_f, wrong_g)
+    with pytest.raises(AssertionError, match="did not all finish within 10 s") as info:
+        exercises.check_f_and_g(f, SumsOnRankZero.apply, timeout=10)
+    assert "called on some ranks only" in str(info.value)
+    assert not exercises.check_f_and_g(stub("f"), g)
+    assert capsys.readouterr().out.startswith("Not attempted yet: write f()")
+
+
+def swaps_f_and_g(x, fc_weight, fc_bias, proj_weight, proj_bias):
+    h = F.gelu(F.linear(tp.reduce_from_tensor_model_parallel_region(x), fc_weight, fc_bias))
+    return tp.copy_to_tensor_model_parallel_region(F.linear(h, proj_weight)) + proj_bias
+
+
+def forgets_f(x, fc_weight, fc_bias, proj_weight, proj_bias):
+    h = F.gelu(F.linear(x, fc_weight, fc_bias))
+    return tp.reduce_from_tensor_model_parallel_region(F.linear(h, proj_weight)) + proj_bias
+
+
+def adds_the_bias_before_g(x, fc_weight, fc_bias, proj_weight, proj_bias):
+    h = F.gelu(F.linear(tp.copy_to_tensor_model_parallel_region(x), fc_weight, fc_bias))
+    return tp.reduce_from_tensor_model_parallel_region(F.linear(h, proj_weight, proj_bias))
+
+
+def sums_on_rank_zero(x, fc_weight, fc_bias, proj_weight, proj_bias):
+    h = F.gelu(F.linear(tp.copy_to_tensor_model_parallel_region(x), fc_weight, fc_bias))
+    y = F.linear(h, proj_weight)
+    if dist.get_rank() == 0:
+        y = tp.reduce_from_tensor_model_parallel_region(y)
+    return y + proj_bias
+
+
+def test_the_mlp_exercises_references_are_the_dense_mlps_split():
+    """The library's layers and torch's ColwiseParallel → RowwiseParallel, which the
+    checker holds the learner's MLP against, give the dense MLP's output and gradients
+    (each weight's gradient cut as the shards are), on 2 ranks."""
+    for r in launch(runs.mlp_case, 2, kwargs={"mlp": forgets_f}):
+        for against in ("library", "torch"):
+            for name, want in r["dense"].items():
+                assert r[against][name].shape == want.shape, (against, name)
+                assert torch.allclose(r[against][name], want, **lab.TOL), (against, name)
+        assert not torch.allclose(r["got"]["x"], r["dense"]["x"], **lab.TOL)
+
+
+def test_check_parallel_mlp(capsys):
+    mistakes = [
+        (swaps_f_and_g, r"the forward pass is wrong: rank 0: the MLP's output differs at "
+         r"\[0, 0, 0\] .*have f and g swapped places\?"),
+        (forgets_f, "the forward pass is right, but the backward pass is not: rank 0: the "
+         "gradient of the input x differs .*this rank's share of the input's gradient"),
+        (adds_the_bias_before_g, "c_proj's bias is added on every rank before the sum"),
+    ]  # fmt: skip
+    verified = "on 2 and 4 ranks, your parallel MLP gives the dense MLP's output"
+    checks(capsys, exercises.check_parallel_mlp, LAB, "parallel_mlp", verified, mistakes)
+    with pytest.raises(AssertionError, match="did not all finish within 10 s"):
+        exercises.check_parallel_mlp(sums_on_rank_zero, timeout=10)

@@ -1,7 +1,8 @@
-"""Lab 14, ZeRO and FSDP: memory and traffic rows on real ranks against the formulas,
-activations against states, FSDP2's full state dict on rank 0 only, and the exercises'
-checkers against the notebook's worked solutions and wrong answers. (DeepSpeed is in
-tests/test_parallel_zero_deepspeed.py, ZeRO itself in tests/test_parallel_zero.py.)"""
+"""Lab 14, ZeRO and FSDP: the notebook's training loop on real ranks, its memory and
+traffic rows against the formulas, activations against states, FSDP2's full state dict
+on rank 0 only, and the exercises' checkers against the notebook's worked solutions and
+wrong answers, one of which hangs the ranks and must come back as a timeout. (DeepSpeed
+is in tests/test_parallel_zero_deepspeed.py, ZeRO itself in tests/test_parallel_zero.py.)"""
 
 from __future__ import annotations
 
@@ -9,17 +10,26 @@ import math
 
 import pytest
 import torch
-from notebook_solutions import solution, stub
+import torch.distributed as dist
+import torch.nn.functional as F
+from notebook_solutions import notebook_function, solution, stub
+from test_lab07_collectives import checks
 
 from labsupport import launch
 from labsupport.estimate.memory import training_memory
-from labsupport.labs import lab14_frameworks, lab14_zero
+from labsupport.labs import lab14_exercises, lab14_frameworks, lab14_zero
 
 LAB = "14-zero.ipynb"
 
 
-def test_memory_and_traffic_rows_on_two_ranks():
-    runs = {2: launch(lab14_zero.zero_runs, 2, timeout=300)}
+def test_the_notebooks_loop_on_two_ranks_gives_the_memory_and_traffic_rows():
+    """The training loop of the notebook's cell, with lab.Record's books."""
+    zero_runs = notebook_function(LAB, "zero_runs")
+    runs = {2: launch(zero_runs, 2, timeout=300)}
+    reference = lab14_zero.plain_adam()
+    for stage, run in runs[2][0].items():  # the loop trains as one process does
+        assert run["losses"] == pytest.approx(reference["losses"], abs=lab14_zero.LOSS_TOL)
+        assert not lab14_zero.param_mismatches(run["params"], reference["params"]), stage
     rows = lab14_zero.memory_rows(runs)
     assert [(r["ranks"], r["stage"]) for r in rows] == [(2, 1), (2, 2), (2, 3)]
     for row in rows:  # 9,522 is even: no padding on 2 ranks
@@ -134,3 +144,108 @@ def test_fsdp2_in_practice_and_zero3_prefetch():
             assert run["peak"] == root + (1 + k) * blocks[0]
             assert run["loss"] == zero3[0]["loss"]
             assert all(torch.equal(run["params"][n], p) for n, p in zero3[0]["params"].items())
+
+
+# --------------------------------------------------------------------------- exercise 4
+
+
+class Sharded:
+    """The worked solution's ZeRO-1, with the usual mistakes as switches: how many times
+    the summed gradient is divided by the world size, which shard rank r holds (r +
+    ``offset``), and whether the flat buffer is padded (without, the shards differ)."""
+
+    divisions, offset, padded = 1, 0, True
+
+    def __init__(self, params, lr):
+        self.params = list(params)
+        self.world, rank = dist.get_world_size(), dist.get_rank()
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        if self.padded:
+            self.n = math.ceil(flat.numel() / self.world)
+            self.pad = self.n * self.world - flat.numel()
+            start = (rank + self.offset) % self.world * self.n
+            mine = F.pad(flat, (0, self.pad))[start : start + self.n]
+        else:
+            mine = torch.tensor_split(flat, self.world)[rank]
+            self.n, self.pad = mine.numel(), 0
+        self.shard = torch.nn.Parameter(mine.clone())
+        self.adam = torch.optim.Adam([self.shard], lr=lr)
+
+    def step(self):
+        grad = F.pad(torch.cat([p.grad.reshape(-1) for p in self.params]), (0, self.pad))
+        self.shard.grad = torch.empty_like(self.shard)
+        dist.reduce_scatter_single(self.shard.grad, grad)
+        self.shard.grad /= self.world**self.divisions
+        self.adam.step()
+        self.gather()
+
+    def gather(self):
+        full = torch.empty(self.n * self.world, device=self.shard.device)
+        dist.all_gather_single(full, self.shard.detach())
+        with torch.no_grad():
+            start = 0
+            for p in self.params:
+                p.copy_(full[start : start + p.numel()].view_as(p))
+                start += p.numel()
+
+
+class ForgetsToDivide(Sharded):
+    divisions = 0
+
+
+class DividesTwice(Sharded):
+    divisions = 2
+
+
+class StepsTheNextShard(Sharded):
+    offset = 1
+
+
+class Unpadded(Sharded):
+    padded = False
+
+
+class AllReduces:
+    """Data parallelism with Adam on every rank: right values, the whole model's states."""
+
+    def __init__(self, params, lr):
+        self.params = list(params)
+        self.flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in self.params]))
+        self.adam = torch.optim.Adam([self.flat], lr=lr)
+
+    def step(self):
+        self.flat.grad = torch.cat([p.grad.reshape(-1) for p in self.params])
+        dist.all_reduce(self.flat.grad)
+        self.flat.grad /= dist.get_world_size()
+        self.adam.step()
+        with torch.no_grad():
+            start = 0
+            for p in self.params:
+                p.copy_(self.flat[start : start + p.numel()].view_as(p))
+                start += p.numel()
+
+
+class GathersOnRankZero(Sharded):
+    """Only rank 0 all-gathers (as if it collected the shards for the others)."""
+
+    def gather(self):
+        if dist.get_rank() == 0:
+            super().gather()
+
+
+def test_check_zero1(capsys):
+    mistakes = [
+        (ForgetsToDivide, r"exp_avg of your shard after step 1 differs .*\(2 times the average"),
+        (DividesTwice, r"1/2 of the average: the sum is divided by the world size twice"),
+        (StepsTheNextShard, r"rank 0: the shard your Adam steps, .* holds shard 1"),
+        (Unpadded, r"on 2 ranks the shards your Adams step have sizes \[27, 26\], for 53"),
+        (
+            AllReduces,
+            r"each rank holds \[424, 424\] bytes of Adam's states, one .*: 2.0 times ZeRO-1's",
+        ),
+    ]
+    verified = "on 2 and 3 ranks, 3 steps give plain Adam's parameters"
+    checks(capsys, lab14_exercises.check_zero1, LAB, "ZeRO1", verified, mistakes)
+    with pytest.raises(AssertionError, match="did not all finish within 10 s") as info:
+        lab14_exercises.check_zero1(GathersOnRankZero, timeout=10)
+    assert "is one of yours under an `if rank == ...`?" in str(info.value)

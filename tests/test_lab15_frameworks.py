@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 from notebook_solutions import solution, stub
+from test_lab07_collectives import checks
 
 from labsupport import launch
+from labsupport.labs import lab15_exercises as exercises
 from labsupport.labs import lab15_frameworks as lab
 from labsupport.labs import lab15_launcher as launcher
 from labsupport.labs import lab15_megatron as megatron
@@ -289,3 +291,52 @@ def test_deepspeeds_launcher_places_ranks_as_the_reference_says():
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3, 4]
     assert got == launcher.deepspeed_rank_layout(launcher.hostfile_text(hosts))
     assert all(r["--local_rank"] == r["local_rank"] for r in ranks)
+
+
+# --------------------------------------------------------------------------- exercise 4
+
+
+def budget(stage: int, micro: int, accumulation: int | None = None, **zero):
+    """A config for exercise 4: ZeRO ``stage`` with the lab's small buffers at stage 3
+    (``zero`` overrides them), micro-batches of ``micro``, and ``accumulation`` of them
+    (by default, as many as make 16 sequences)."""
+
+    def budget_config(world_size):
+        small = {"reduce_bucket_size": 2**14, "stage3_param_persistence_threshold": 0}
+        return {
+            "train_batch_size": 16,
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": accumulation or 16 // (micro * world_size),
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+            "zero_optimization": {"stage": stage} | (small if stage == 3 else {}) | zero,
+        }
+
+    return budget_config
+
+
+def stage_by_rank(world_size):
+    """Rank 0 asks for ZeRO-3, the others for ZeRO-1: their collectives never pair up."""
+    import torch.distributed as dist
+
+    return budget(3 if dist.get_rank() == 0 else 1, 2)(world_size)
+
+
+def test_check_budget_config(capsys):
+    mistakes = [
+        (
+            budget(3, 2, accumulation=1),
+            r"deepspeed.initialize refused your config on 4 ranks: AssertionError: Check batch "
+            r"related parameters. .* 16 != 2 \* 1 \* 4. Then: check the batch arithmetic",
+        ),
+        (
+            budget(1, 2),
+            r"rank 0 holds [\d,]+ bytes after the step \(ZeRO stage 1\) and a micro-batch of 2 "
+            r"saves [\d,]+ for backward: [\d,]+ bytes, over the budget of 1,450,000; a smaller",
+        ),
+        (budget(1, 1), r"it fits, with micro-batches of 1 \(4 passes per step\), but a larger"),
+    ]
+    verified = "DeepSpeed trains 16 sequences per step on 4 ranks, in micro-batches of 2 x 2"
+    checks(capsys, exercises.check_budget_config, LAB, "budget_config", verified, mistakes)
+    with pytest.raises(AssertionError, match="did not all finish within 60 s") as info:
+        exercises.check_budget_config(stage_by_rank, timeout=60)
+    assert "the same config on every rank" in str(info.value)

@@ -1,28 +1,51 @@
-"""Lab 16, fault tolerance: a rank killed by SIGKILL and the run resumed exactly, each part
-of the checkpoint needed, partial and damaged checkpoints refused clearly and passed over
-(a block zeroed in place, which DCP alone loads), an asynchronous checkpoint that holds
-the state it started from and its checksums, a checkpoint of 4 ranks loaded on 2, and the
-exercises' checkers against the notebook's worked solutions and wrong answers. (The
+"""Lab 16, fault tolerance: the notebook's training loop, with a rank killed by SIGKILL and
+the run resumed exactly, each part of the checkpoint needed, partial and damaged
+checkpoints refused clearly and passed over (a block zeroed in place, which DCP alone
+loads), an asynchronous checkpoint that holds the state it started from and its
+checksums, a checkpoint of 4 ranks loaded on 2, and the exercises' checkers against the
+notebook's worked solutions and wrong answers, one of which hangs the ranks. (The
 checkpoint module itself is in tests/test_parallel_checkpoint.py, the failure arithmetic
 in tests/test_estimate_reliability.py.)"""
 
 from __future__ import annotations
 
+import ast
+import functools
 import math
 import os
 import shutil
 from pathlib import Path
 
+import nbformat
 import pytest
 import torch
-from notebook_solutions import solution, stub
+import torch.distributed as dist
+from notebook_solutions import LABS, solution, stub
 
 from labsupport import LaunchError, launch
+from labsupport.labs import lab16_checks, lab16_torchrun
 from labsupport.labs import lab16_fault_tolerance as lab
-from labsupport.labs import lab16_torchrun
 from labsupport.parallel import checkpoint as ck
 
 LAB = "16-fault-tolerance.ipynb"
+
+
+def notebook_function(lab: str, name: str):
+    """The function ``name`` that a code cell of the notebook ``lab`` defines, with the
+    notebook's imports (its first cell's import statements)."""
+    cells = [
+        c.source for c in nbformat.read(LABS / lab, as_version=4).cells if c.cell_type == "code"
+    ]
+    imports = [n for n in ast.parse(cells[0]).body if isinstance(n, ast.Import | ast.ImportFrom)]
+    source = next(c for c in cells if c.startswith(f"def {name}("))
+    namespace = {"__name__": "notebook"}  # not importable: cloudpickle sends it by value
+    exec(compile(ast.Module(imports, []), lab, "exec"), namespace)
+    exec(compile(source, f"<{lab}: {name}>", "exec"), namespace)
+    return namespace[name]
+
+
+#: The training loop, as the notebook writes it.
+train = notebook_function(LAB, "train")
 #: A short run: 6 steps on 2 ranks, a checkpoint every 2.
 SHORT = {"steps": 6, "every": 2}
 
@@ -31,10 +54,10 @@ SHORT = {"steps": 6, "every": 2}
 def runs(tmp_path_factory):
     """The uninterrupted short run, and the same run with rank 1 killed at step 5."""
     root = tmp_path_factory.mktemp("lab16")
-    straight = launch(lab.train, 2, args=(str(root / "straight"),), kwargs=SHORT, timeout=300)
+    straight = launch(train, 2, args=(str(root / "straight"),), kwargs=SHORT, timeout=300)
     with pytest.raises(LaunchError) as killed:
         kill = {**SHORT, "kill": (1, 5)}
-        launch(lab.train, 2, args=(str(root / "killed"),), kwargs=kill, timeout=300)
+        launch(train, 2, args=(str(root / "killed"),), kwargs=kill, timeout=300)
     return {"root": root, "straight": straight[0], "error": killed.value}
 
 
@@ -46,7 +69,7 @@ def test_a_killed_rank_is_the_root_cause_and_the_resume_is_exact(runs):
     path = lab.latest_checkpoint(str(runs["root"] / "killed"))
     assert os.path.basename(path) == "step00004"  # steps 4 and 5 were done, and lost
     resumed = launch(
-        lab.train, 2, args=(str(runs["root"] / "killed"),), kwargs={**SHORT, "resume_from": path}
+        train, 2, args=(str(runs["root"] / "killed"),), kwargs={**SHORT, "resume_from": path}
     )[0]
     assert resumed["start"] == 4
     assert resumed["losses"] == runs["straight"]["losses"]  # bit for bit
@@ -56,8 +79,9 @@ def test_leaving_one_part_out_changes_the_curve_where_it_is_first_used(runs):
     path = str(runs["root"] / "straight" / "step00004")
     first = {}
     for part in lab.PARTS:
-        options = {**SHORT, "resume_from": path, "leave_out": (part,), "every": None}
-        run = launch(lab.train, 2, args=(str(runs["root"] / "none"),), kwargs=options)[0]
+        restore = functools.partial(lab.restore, leave_out=(part,))
+        options = {**SHORT, "resume_from": path, "restore": restore, "every": None}
+        run = launch(train, 2, args=(str(runs["root"] / "none"),), kwargs=options)[0]
         first[part] = lab.first_difference(run["losses"], runs["straight"]["losses"])
     assert first == {"optimizer states": 5, "RNG states": 4, "step": 4}
     assert not os.path.exists(runs["root"] / "none")  # every=None: no checkpoint written
@@ -66,7 +90,7 @@ def test_leaving_one_part_out_changes_the_curve_where_it_is_first_used(runs):
 def test_training_shows_its_progress_on_every_rank(tmp_path, capsys):
     """A bar per rank while it trains; the finished bars stay in the record (printed, in a
     terminal, as each rank finishes)."""
-    launch(lab.train, 2, args=(str(tmp_path),), kwargs={"steps": 2, "every": None})
+    launch(train, 2, args=(str(tmp_path),), kwargs={"steps": 2, "every": None})
     out = capsys.readouterr().out.splitlines()
     for rank in range(2):
         assert f"[rank {rank}] train |{'#' * 24}| 2/2" in out
@@ -111,7 +135,7 @@ def test_partial_and_damaged_checkpoints_are_refused_clearly(runs, tmp_path):
         (zeroed, "__1_0.distcp has changed since it was saved"),
     ]:
         with pytest.raises(LaunchError, match=message):
-            launch(lab.train, 2, args=(str(tmp_path),), kwargs={**SHORT, "resume_from": str(path)})
+            launch(train, 2, args=(str(tmp_path),), kwargs={**SHORT, "resume_from": str(path)})
     # what the checksums catch: DCP alone loads the zeroed block without a word
     intact = launch(lab.gathered_state, 2, args=(str(good),))[0]
     alone = launch(lab.gathered_state, 2, args=(str(zeroed),), kwargs={"verified": False})[0]
@@ -131,7 +155,7 @@ def test_an_async_checkpoint_holds_the_state_it_started_from(tmp_path):
 
 def test_a_checkpoint_of_4_ranks_loads_on_2_and_resumes(tmp_path):
     root = str(tmp_path / "four")
-    launch(lab.train, 4, args=(root,), kwargs={"steps": 2, "every": 2}, timeout=300)
+    launch(train, 4, args=(root,), kwargs={"steps": 2, "every": 2}, timeout=300)
     path = lab.latest_checkpoint(root)
     on4 = launch(lab.gathered_state, 4, args=(path,), timeout=300)[0]
     on2 = launch(lab.gathered_state, 2, args=(path,), timeout=300)[0]
@@ -139,7 +163,7 @@ def test_a_checkpoint_of_4_ranks_loads_on_2_and_resumes(tmp_path):
     assert all(torch.equal(on4[k], on2[k]) for k in on4)
     assert any(on4[k].abs().sum() > 0 for k in on4 if "exp_avg" in k)  # Adam's states came
     options = {"steps": 3, "every": None, "resume_from": path}
-    resumed = launch(lab.train, 2, args=(root,), kwargs=options, timeout=300)[0]
+    resumed = launch(train, 2, args=(root,), kwargs=options, timeout=300)[0]
     assert resumed["start"] == 2 and len(resumed["losses"]) == 3
 
 
@@ -163,8 +187,8 @@ def test_torchrun_lines_lose_their_times_pids_and_paths():
 @pytest.mark.parametrize(
     ("check", "name"),
     [
-        (lab.check_checkpoint_interval, "checkpoint_interval"),
-        (lab.check_newest_complete, "newest_complete"),
+        (lab16_checks.check_checkpoint_interval, "checkpoint_interval"),
+        (lab16_checks.check_newest_complete, "newest_complete"),
     ],
 )
 def test_checkers_accept_the_solutions_and_say_not_attempted_to_the_stub(check, name, capsys):
@@ -176,11 +200,11 @@ def test_checkers_accept_the_solutions_and_say_not_attempted_to_the_stub(check, 
 
 def test_interval_checker_rejects_a_missing_factor_and_the_mtbf_itself():
     with pytest.raises(AssertionError, match="derivative"):
-        lab.check_checkpoint_interval(lambda c, m: math.sqrt(c * m))
+        lab16_checks.check_checkpoint_interval(lambda c, m: math.sqrt(c * m))
     with pytest.raises(AssertionError, match="wastes"):
-        lab.check_checkpoint_interval(lambda c, m: m)
+        lab16_checks.check_checkpoint_interval(lambda c, m: m)
     with pytest.raises(AssertionError, match="got"):
-        lab.check_checkpoint_interval(lambda c, m: None)
+        lab16_checks.check_checkpoint_interval(lambda c, m: None)
 
 
 def test_newest_checker_rejects_ignoring_checksums_and_comparing_names_as_text():
@@ -197,7 +221,95 @@ def test_newest_checker_rejects_ignoring_checksums_and_comparing_names_as_text()
 
     for file in ("__0_0.distcp", ".metadata"):  # DCP writes .metadata before the checksums
         with pytest.raises(AssertionError, match=f"complete without {ck.MANIFEST}"):
-            lab.check_newest_complete(newest_holding(file))
-    assert lab.check_newest_complete(newest_holding(ck.MANIFEST))
+            lab16_checks.check_newest_complete(newest_holding(file))
+    assert lab16_checks.check_newest_complete(newest_holding(ck.MANIFEST))
     with pytest.raises(AssertionError, match="step10"):
-        lab.check_newest_complete(newest_by_text)
+        lab16_checks.check_newest_complete(newest_by_text)
+
+
+def without(key, state_fn):
+    """``state_fn`` with ``key`` left out of the state."""
+
+    def leaves_out(zero, step, losses):
+        state = state_fn(zero, step, losses)
+        del state[key]
+        return state
+
+    return leaves_out
+
+
+def one_generator_for_all(zero, step, losses):
+    """Saves the generator under one key for every rank: DCP keeps one rank's copy."""
+    return {**without("rng", solution(LAB, "training_state"))(zero, step, losses),
+            "rng": torch.get_rng_state()}  # fmt: skip
+
+
+def restores_the_shared_generator(state, zero):
+    ck.restore_zero(zero)
+    torch.set_rng_state(state["rng"])
+    return state["step"], list(state["losses"])
+
+
+def restores_without_generators(state, zero):
+    ck.restore_zero(zero)
+    return state["step"], list(state["losses"])
+
+
+def restores_without_step(state, zero):
+    ck.restore_zero(zero)
+    torch.set_rng_state(state["rng"][f"rank{dist.get_rank()}"]["cpu"])
+    return state.get("step", 0), list(state["losses"])
+
+
+def waits_for_rank_0(state, zero):
+    """Every rank but 0 waits for rank 0 to send the step, which rank 0 never does."""
+    step = torch.tensor([state["step"]])
+    if dist.get_rank() != 0:
+        dist.recv(step, src=0)
+    return restore(state, zero)
+
+
+restore = solution(LAB, "restore")
+
+
+def test_check_training_state(capsys):
+    state = solution(LAB, "training_state")
+    check = functools.partial(lab16_checks.check_training_state, train=train)
+    assert check(state, restore)
+    assert capsys.readouterr().out.startswith(
+        "Correct: killed at step 10, resumed from your checkpoint of step 8, the run gives "
+        "the uninterrupted loss curve, bit for bit"
+    )
+    resumed = r"resumed from your checkpoint of step 8 \(rank 2 was killed as step 10 began\), "
+    mistakes = [
+        (
+            (without("optimizer", state), restore),
+            resumed + r"the loss of step 9 is [\d.]+, the uninterrupted run's [\d.]+: rank 0: "
+            r"unit0 Adam exp_avg after your restore\(\) differs at \[0\] .*expected "
+            r"[-\d.e]+, got 0 \(save the optimizer's states",
+        ),
+        (
+            (one_generator_for_all, restores_the_shared_generator),
+            resumed + r"the loss of step 8 is [\d.]+, the uninterrupted run's [\d.]+: rank \d: "
+            r"CPU generator after your restore\(\) differs at .*a key of its own",
+        ),
+        (
+            (without("rng", state), restores_without_generators),
+            resumed + r"the loss of step 8 .*: rank 0: CPU generator after your restore\(\) "
+            r"differs at .*save each rank's generator state",
+        ),
+        (
+            (without("step", state), restores_without_step),
+            r"your restore\(\) says to go on from step 0, but the checkpoint was written "
+            r"after step 8",
+        ),
+    ]
+    for (state_fn, restore_fn), message in mistakes:
+        with pytest.raises(AssertionError, match=message):
+            check(state_fn, restore_fn)
+    with pytest.raises(AssertionError, match="did not all finish within 90 s") as info:
+        check(state, waits_for_rank_0, timeout=90)
+    assert "does your restore() wait for a message" in str(info.value)
+    capsys.readouterr()
+    assert not check(stub("training_state"), stub("restore"))
+    assert capsys.readouterr().out.startswith("Not attempted yet: write training_state")

@@ -168,6 +168,27 @@ def test_a_silent_hang_hits_the_timeout_and_kills_what_the_ranks_started():
     assert_no_ranks_left()
 
 
+def fail_with_a_child_in_its_own_session(marker):
+    subprocess.Popen(["sleep", marker], start_new_session=True)  # as torchrun starts workers
+    if dist.get_rank() == 0:
+        raise RuntimeError("rank 0 fails")
+    dist.barrier()
+
+
+def sleepers(marker):
+    return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", marker]]
+
+
+def test_a_failed_launch_stops_what_its_ranks_started_in_sessions_of_their_own():
+    marker = f"{600 + os.getpid() % 97}.5"  # a command line no other test runs
+    with pytest.raises(LaunchError, match="rank 0 fails"):
+        launch(fail_with_a_child_in_its_own_session, 3, args=(marker,), timeout=60)
+    left = sleepers(marker)
+    for proc in left:
+        proc.kill()
+    assert left == [], "children in their own sessions outlived their ranks"
+
+
 def big_result(megabytes):
     return torch.full((megabytes * 2**20 // 4,), float(dist.get_rank()))
 

@@ -80,6 +80,42 @@ def test_resume_is_exact_and_a_checkpoint_of_4_ranks_loads_on_2(tmp_path, stage)
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
+def parts(path: str, load: tuple) -> dict:
+    """Save a ZeRO-1 run's parameters and optimizer states under keys of their own (with
+    nothing in ``load``), or load the parts named in ``load`` into a fresh run: what the
+    fresh run's shards and Adam's first moments then hold."""
+    m = model()
+    zero = ZeRO(m, 1, lr=1e-2)
+    if not load:
+        train(m, zero, 0, 2)
+        state = {"parameters": ck.zero_parameters(zero), "optimizer": ck.zero_optimizer(zero)}
+        ck.save(state, path)
+    else:
+        ck.load({part: getattr(ck, f"zero_{part}")(zero) for part in load}, path)
+        ck.restore_zero(zero)
+    adam = [zero.optimizer.state[p].get("exp_avg") for _, u in zero.units for p in u.pieces]
+    return {
+        "shard": [u.shard.detach().clone() for _, u in zero.units],
+        "exp_avg": [a.clone() if a is not None else None for a in adam],
+        "whole": [p.detach().clone() for p in m.parameters()],
+    }
+
+
+def test_the_parameters_and_the_optimizer_states_load_apart(tmp_path):
+    path = str(tmp_path / "parts")
+    saved = launch(parts, 2, args=(path, ()), timeout=180)
+    only_model = launch(parts, 2, args=(path, ("parameters",)), timeout=180)
+    both = launch(parts, 2, args=(path, ("parameters", "optimizer")), timeout=180)
+    for want, model_only, whole in zip(saved, only_model, both, strict=True):
+        for key in ("shard", "whole"):
+            assert all(torch.equal(a, b) for a, b in zip(want[key], model_only[key], strict=True))
+            assert all(torch.equal(a, b) for a, b in zip(want[key], whole[key], strict=True))
+        assert all(a is None for a in model_only["exp_avg"])  # Adam would start over
+        assert all(
+            torch.equal(a, b) for a, b in zip(want["exp_avg"], whole["exp_avg"], strict=True)
+        )
+
+
 def plain_per_rank(path: str, resume: bool) -> list:
     mine = torch.full((3,), float(dist.get_rank()))
     state = {"mine": mine if not resume else torch.zeros(3)}

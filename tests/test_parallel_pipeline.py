@@ -215,8 +215,11 @@ def test_the_simulator_finds_a_deadlock_and_lists_that_do_not_match():
     # rank 0 waits for the gradient of micro-batch 0 before it sends its activation: a cycle
     first = [A("recv_grad", 0, 0), A("backward", 0, 0), A("forward", 0, 0), A("send_act", 0, 0)]
     last = [A("recv_act", 0, 0), A("forward", 0, 0), A("backward", 0, 0), A("send_grad", 0, 0)]
-    with pytest.raises(RuntimeError, match="deadlocks: rank 0 waits for .*recv_grad"):
+    with pytest.raises(simulator.Deadlock, match="deadlocks: rank 0 waits for .*recv_grad") as info:
         simulator.simulate([first, last])
+    # where each rank stopped: its action number, the computation and its time slot
+    assert info.value.stuck == [(0, 1, A("backward", 0, 0), 0), (1, 1, A("forward", 0, 0), 0)]
+    assert "(its action 1, backward 0, at slot 0)" in str(info.value)
     # the two ranks post their messages in different orders: gloo and NCCL would pair
     # micro-batch 1's activation with micro-batch 0's receive, silently
     first = [A("forward", 0, 0), A("forward", 1, 0), A("send_act", 1, 0), A("send_act", 0, 0)]

@@ -94,6 +94,33 @@ def test_bound_zero_keeps_workers_in_step_but_sums_their_gradients():
     torch.testing.assert_close(gathered(results), single_process_sgd(3, lr=3 * 0.1), **TOL)
 
 
+def pulls_once(client, model, batch, loss_fn, steps):
+    nn.utils.vector_to_parameters(client.pull(), model.parameters())
+    for step in range(steps):
+        inputs, targets = batch(client.worker, step)
+        model.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        client.push(nn.utils.parameters_to_vector(p.grad for p in model.parameters()), loss)
+
+
+def test_a_worker_that_pulls_once_trains_on_old_parameters_and_its_pushes_say_so():
+    results = run(4, 1, "sync", worker_loop=pulls_once)
+    (server,) = [r for r in results if r["role"] == "server"]
+    assert [u["staleness"] for u in server["updates"]] == [k for k in range(STEPS) for _ in "abc"]
+    assert not torch.allclose(gathered(results), single_process_sgd(3))
+
+
+def pulls_once_more(client, model, batch, loss_fn, steps):
+    ps.work(client, model, batch, loss_fn, steps)
+    client.pull()  # for the final parameters: the servers send none
+
+
+def test_a_pull_after_the_last_push_is_a_clear_error():
+    with pytest.raises(LaunchError, match="pull after the last of the 4 pushes"):
+        run(2, 1, "sync", worker_loop=pulls_once_more)
+
+
 def test_too_few_ranks_is_a_clear_error():
     with pytest.raises(LaunchError, match="world_size >= servers \\+ 1"):
         run(2, 2, "sync")

@@ -1,6 +1,6 @@
 """DeepSpeed's ZeRO, stages 1 to 3, on CPU ranks (DS_ACCELERATOR=cpu, gloo): the same
-training as plain single-process Adam and as labsupport.parallel.zero, and DeepSpeed's
-own memory estimator against the ZeRO paper's count.
+training as plain single-process Adam and as labsupport.parallel.zero (in lab 14's
+training loop), and DeepSpeed's own memory estimator against the ZeRO paper's count.
 
 World sizes 2 and 3: the lab's GPT has 9,522 parameters, which 4 divides into 2,380.5
 and 3 into 3,174, so both pad some buffer."""
@@ -8,6 +8,7 @@ and 3 into 3,174, so both pad some buffer."""
 from __future__ import annotations
 
 import pytest
+from notebook_solutions import notebook_function
 
 from labsupport import launch
 from labsupport.estimate.memory import training_memory
@@ -20,7 +21,7 @@ STAGES = (1, 2, 3)
 def test_deepspeed_zero_trains_like_plain_adam_and_like_ours(world):
     reference = lab14_zero.plain_adam()
     theirs = launch(lab14_frameworks.train_deepspeed, world, args=(STAGES,), timeout=600)
-    ours = launch(lab14_zero.zero_runs, world, args=(STAGES,), timeout=300)
+    ours = launch(notebook_function("14-zero.ipynb", "zero_runs"), world, timeout=300)
     for stage in STAGES:
         for rank in range(world):
             ds, mine = theirs[rank][stage], ours[rank][stage]

@@ -15,28 +15,27 @@ import sys
 import pytest
 
 from labsupport.estimate import web
-from labsupport.estimate.memory import training_memory
-from labsupport.estimate.planner import evaluate, memory, stage_params
-from labsupport.estimate.published import CLUSTERS, MODELS, PUBLISHED, check
+from labsupport.estimate.compute import FITTED
+from labsupport.estimate.planner import stage_params
+from labsupport.estimate.published import PUBLISHED, as_published, check
 from tools import site_calculator
+from tools.site_calculator_html import MEMORY_START, published_inputs
 
-# What the page asks, one call each: the published GPT-3 layout, context parallelism, a
-# custom model, the planner on a published run, and a refusal.
+DEEPSEEK = published_inputs("DeepSeek-V3")
+# What the page asks, one call each: published layouts (GPT-3; Llama 3's 128K stage with
+# context parallelism; DeepSeek-V3 with expert parallelism), a custom model, the planner on
+# two published runs (DeepSeek-V3's search narrowed), a refusal, and the presets.
 CALLS = [
-    ("memory", {"model": "GPT-3 175B", "seq_len": 2048, "gpu": "A100 SXM 80GB", "dp": 16,
-                "tp": 8, "pp": 12, "cp": 1, "ep": 1, "zero": 0, "recompute": "full",
-                "micro_batch": 1, "micro_batches": 96, "chunks": 8, "sequence_parallel": False}),
-    ("memory", {"model": "Llama 3 405B", "seq_len": 8192, "gpu": "H100 SXM", "dp": 64,
-                "tp": 8, "pp": 16, "cp": 2, "ep": 1, "zero": 2, "recompute": "selective",
-                "micro_batch": 1, "micro_batches": 16, "chunks": 1, "sequence_parallel": True}),
+    ("memory", MEMORY_START),
+    ("memory", published_inputs("Llama 3 405B, 128K")),
+    ("memory", DEEPSEEK),
     ("memory", {"model": "custom", "layers": 24, "hidden": 2048, "heads": 16, "vocab": 50257,
                 "seq_len": 4096, "gpu": "H200 SXM", "dp": 4, "tp": 2, "pp": 2, "cp": 1,
                 "ep": 1, "zero": 3, "recompute": "none", "micro_batch": 2,
                 "micro_batches": 4, "chunks": 2, "sequence_parallel": True}),
-    ("plan", {"model": "Llama 3 405B", "cluster": "Meta RoCE, 16,384 H100", "global_batch": 2048}),
-    ("memory", {"model": "GPT-3 175B", "seq_len": 2048, "gpu": "A100 SXM 80GB", "dp": 1,
-                "tp": 1, "pp": 1, "cp": 1, "ep": 8, "zero": 0, "recompute": "full",
-                "micro_batch": 1, "micro_batches": 1, "chunks": 1, "sequence_parallel": False}),
+    ("plan", web.planner_presets()[3]),
+    ("plan", web.planner_presets()[-1]),
+    ("memory", MEMORY_START | {"ep": 8}),
     ("presets", {}),
 ]  # fmt: skip
 
@@ -76,7 +75,7 @@ def test_the_pages_python_imports_without_torch_or_numpy_and_answers_as_the_labs
     page = run_as_the_page(tmp_path, site_calculator.python_files())
     here = [json.loads(web.call(name, json.dumps(args))) for name, args in CALLS]
     assert page["answers"] == here
-    assert "result" in here[3] and "error" in here[4]
+    assert all("result" in a for a in here[:6]) and "error" in here[6]
     shipped = {str(tmp_path / p) for p in site_calculator.python_files()}
     assert set(page["loaded"]) <= shipped, "labsupport came from outside the page's files"
 
@@ -89,39 +88,62 @@ def test_the_page_would_fail_if_a_calculator_imported_torch(tmp_path):
         run_as_the_page(tmp_path, files)
 
 
-@pytest.mark.parametrize("run", PUBLISHED, ids=lambda r: r["model"])
+@pytest.mark.parametrize("run", PUBLISHED, ids=lambda r: r["name"])
 def test_memory_per_gpu_is_the_planners_memory_of_a_published_layout(run):
-    """As published, the settings the source leaves open as the planner chooses them."""
-    model, lay = MODELS[run["model"]], check(run)["published"]["layout"]
-    inputs = {"model": run["model"], "seq_len": model.seq_len, "gpu": CLUSTERS[run["cluster"]].gpu,
-              "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": 1, "ep": 1, "zero": lay.zero,
-              "recompute": lay.recompute, "micro_batch": lay.micro_batch,
-              "micro_batches": run["global_batch"] // (lay.dp * lay.micro_batch),
-              "chunks": lay.chunks,
-              "sequence_parallel": lay.sequence_parallel}  # fmt: skip
-    shown = web.memory_per_gpu(inputs)
-    planned = evaluate(model, CLUSTERS[run["cluster"]], lay, run["global_batch"])
+    shown = web.memory_per_gpu(published_inputs(run["name"]))
+    planned = as_published(run)
     assert shown["total"] == pytest.approx(planned["memory"], rel=1e-12)
-    states = training_memory(stage_params(model, lay.pp) / lay.tp, "mixed", lay.zero, lay.dp)
-    assert {k: shown["parts"][k] for k in states} == states
+    assert shown["fits"] == planned["fits"]
 
 
-def test_context_parallelism_splits_the_tokens_and_shards_over_dp_times_cp():
-    inputs = dict(CALLS[1][1])
-    shown = web.memory_per_gpu(inputs)
-    model = dataclasses.replace(MODELS["Llama 3 405B"], seq_len=4096)  # 8,192 over cp = 2
-    lay = web.Layout(128, 8, 16, 2, 1, 1, "selective", True)
-    assert shown["parts"]["activations"] == memory(model, lay, 128 * 16)["activations"]
-    without = web.memory_per_gpu(inputs | {"cp": 1, "dp": 128})
-    assert shown["parts"]["activations"] == pytest.approx(without["parts"]["activations"] / 2)
-    assert shown["parts"]["momentum"] == without["parts"]["momentum"]
+def test_expert_parallelism_splits_the_routed_experts_only():
+    """DeepSeek-V3 as published, ZeRO-1: the 16-bit weights are 2 bytes per parameter of the
+    heaviest stage, the dense ones all there, the routed experts over ``ep``."""
+    for ep in (64, 32, 1):
+        shown = web.memory_per_gpu(DEEPSEEK | {"ep": ep})
+        params = stage_params(web.MODELS["DeepSeek-V3"], 16, shown["stage"])
+        assert params["experts"] > 10 * params["dense"]
+        assert shown["parts"]["weights"] == pytest.approx(
+            2 * (params["dense"] + params["experts"] / ep), rel=1e-12
+        )
+    assert shown["stage"] == 1  # every layer of the second stage holds experts
+
+
+def test_context_parallelism_divides_the_activations_and_shards_over_dp_times_cp():
+    llama = published_inputs("Llama 3 405B, 128K")  # cp 16 over 131,072 tokens
+    shown = web.memory_per_gpu(llama)
+    short = web.memory_per_gpu(llama | {"seq_len": 8192, "cp": 1, "dp": 128})
+    assert shown["parts"]["activations"] == pytest.approx(short["parts"]["activations"])
+    assert shown["parts"]["momentum"] == short["parts"]["momentum"]
+
+
+@pytest.mark.parametrize("run", web.planner_presets(), ids=lambda r: r["name"])
+def test_the_planner_ranks_each_published_mesh_as_check_does(run):
+    entry = next(e for e in PUBLISHED if e["name"] == run["name"])
+    page, native = web.plan_layouts(run), check(entry)
+    assert page["published_rank"] == native["rank"]
+    want = [r["layout"] for r in native["meshes"][: len(page["rows"])]]
+    assert [r["layout"] for r in page["rows"]] == [dataclasses.asdict(w) for w in want]
+    if run["model"] in web.NARROWED:  # the narrowed search keeps what tops the full one
+        narrowed = web.NARROWED[run["model"]]
+        for r in native["meshes"][:30]:
+            assert all(getattr(r["layout"], k) in v for k, v in narrowed.items())
+
+
+def test_the_page_states_the_fitted_efficiency_and_the_narrowed_search():
+    text = (site_calculator.ROOT / "calculators.md").read_text()
+    assert f"{100 * FITTED.gemm:.1f} %" in text
+    assert "For DeepSeek-V3 the page searches only layouts without tensor parallelism" in text
+    assert web.NARROWED == {"DeepSeek-V3": {"tp": (1,)}}
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"ep": 2}, "ep must be 1"),
-        ({"cp": 2, "recompute": "none"}, "keeps no score matrix"),
+        ({"ep": 2}, "ep must be 1: GPT-3 175B is dense"),
+        ({"model": "DeepSeek-V3", "seq_len": 4096, "ep": 3}, "ep must divide the 256 experts"),
+        ({"model": "DeepSeek-V3", "seq_len": 4096, "ep": 32}, "and dp·cp = 16"),
+        ({"cp": 3}, "cp the sequence length"),
         ({"tp": 5}, "tp must divide the heads"),
         ({"pp": 200}, "pp must be at most the 96 layers"),
         ({"pp": 1, "chunks": 2}, "interleaving (chunks > 1) needs pp > 1"),
@@ -134,6 +156,11 @@ def test_context_parallelism_splits_the_tokens_and_shards_over_dp_times_cp():
 def test_bad_input_is_refused_with_what_to_do(change, message):
     answer = json.loads(web.call("memory", json.dumps(CALLS[0][1] | change)))
     assert message in answer["error"]
+
+
+def test_the_planner_refuses_an_unknown_framework():
+    answer = json.loads(web.call("plan", json.dumps(CALLS[4][1] | {"framework": "JAX"})))
+    assert "framework must be one of" in answer["error"]
 
 
 def test_the_pyodide_download_is_refused_unless_it_is_the_pinned_one(tmp_path):

@@ -1,6 +1,7 @@
 """tools: re-executing a lab stores its outputs without timestamps; ``make gpu-check``'s
-rank checks pass on the CPU and refuse to pretend where there is no GPU. (tools.figures
-is tested in tests/test_viz.py, against the committed figures.)"""
+rank checks and its all-reduce floor line run on the CPU, and it refuses to pretend where
+there is no GPU. (tools.figures is tested in tests/test_viz.py, against the committed
+figures.)"""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def test_gpu_check_runs_every_rank_check_on_the_cpu(capsys):
     out = capsys.readouterr().out
     assert "FAIL" not in out
     assert out.count("PASS") == 10 and "10 of 10 checks passed" in out
+    assert "all-reduce 4 MiB on 2 ranks: bus bandwidth" in out and "of the floor" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU to check")

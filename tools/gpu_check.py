@@ -13,10 +13,12 @@ NCCL refuses two ranks on one GPU, so a one-GPU machine checks what runs on one 
 3. the single-device labs' GPU paths, with their numbers printed: lab 1's roofline
    kernels and lab 4's mixed precision, fusion and activation checkpointing on CUDA;
 4. with two GPUs or more, ``tests/test_gpu.py`` (the launcher and every collective on
-   several GPUs).
+   several GPUs);
+5. ``make bench``'s all-reduce line on CUDA/NCCL (:mod:`tools.gpu_bandwidth`): the copy
+   and the all-reduce against the datasheet's memory and link bandwidths.
 
-``python -m tools.gpu_check --cpu`` runs 1 and 2 on the CPU (gloo), so that the script
-itself is tested where there is no GPU (``tests/test_tools.py``).
+``python -m tools.gpu_check --cpu`` runs 1, 2 and 5's all-reduce (2 ranks) on the CPU
+(gloo), so that the script itself is tested where there is no GPU (``tests/test_tools.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch.distributed as dist
 from labsupport import device, launch
 from labsupport.launch.runtime import GPU_BACKEND
 from labsupport.models import GPT, random_tokens, tiny_gpt
+from tools.gpu_bandwidth import bandwidth_lines
 
 CONFIG = {"vocab_size": 64, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16}
 STEPS, BATCH, LR = 3, 8, 1e-2
@@ -241,12 +244,16 @@ def main(argv=None) -> int:
     if gpus:
         print(f"GPU 0: {torch.cuda.get_device_name(0)}")
     start = time.perf_counter()
-    rows = check_ranks("gloo" if args.cpu else GPU_BACKEND)
+    backend = "gloo" if args.cpu else GPU_BACKEND
+    rows = check_ranks(backend)
     if not args.cpu:
         rows[0] = (rows[0][0], rows[0][1] and "cuda:0" in rows[0][2], rows[0][2])
     for what, ok, detail in rows:
         print(f"{'PASS' if ok else 'FAIL'}  {what}: {detail}")
     failed = [what for what, ok, _ in rows if not ok]
+    nbytes, rounds = (4 * 2**20, 3) if args.cpu else (2**30, 10)
+    for line in bandwidth_lines(gpus if not args.cpu else 0, backend, nbytes, rounds):
+        print(f"      {line}")
     if not args.cpu:
         for line in single_device_numbers():
             print(f"      {line}")

@@ -12,22 +12,36 @@ from pathlib import Path
 
 from labsupport.estimate import web
 
-#: The memory calculator's opening state: GPT-3 175B as Narayanan et al. 2021 trained it,
-#: with the interleaving the planner chooses for it (chapter 13's table: 36 GB).
-MEMORY_START = {
-    "model": "GPT-3 175B", "seq_len": 2048, "gpu": "A100 SXM 80GB", "dp": 16, "tp": 8,
-    "pp": 12, "cp": 1, "ep": 1, "zero": 0, "recompute": "full", "micro_batch": 1,
-    "micro_batches": 96, "chunks": 8, "sequence_parallel": False,
-}  # fmt: skip
-#: The static table's rows: the opening state, then one axis changed at a time.
+
+def published_inputs(name: str) -> dict:
+    """The memory form's inputs for the published run ``name`` (:data:`web.PUBLISHED`),
+    its layout as published."""
+    run = next(e for e in web.PUBLISHED if e["name"] == name)
+    lay, model = run["layout"], web.MODELS[run["model"]]
+    gpu = web.CLUSTERS[run["cluster"]].gpu
+    return {"model": run["model"], "seq_len": model.seq_len, "gpu": gpu, "dp": lay.dp,
+            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
+            "recompute": lay.recompute, "micro_batch": lay.micro_batch,
+            "micro_batches": run["global_batch"] // (lay.dp * lay.micro_batch),
+            "chunks": lay.chunks, "sequence_parallel": lay.sequence_parallel,
+            "fused_attention": lay.fused_attention}  # fmt: skip
+
+
+#: The memory calculator's opening state: GPT-3 175B as Narayanan et al. 2021 trained it
+#: (chapter 13's table: 35 GB).
+MEMORY_START = published_inputs("GPT-3 175B")
+#: The static table's rows: the opening state, one axis changed at a time, then others.
 MEMORY_ROWS = [
     ("GPT-3 175B as published", {}),
     ("… ZeRO-1", {"zero": 1}),
     ("… ZeRO-3", {"zero": 3}),
     ("… no recomputation", {"recompute": "none"}),
-    ("… no pipeline (pp 1, dp 192)", {"pp": 1, "dp": 192, "chunks": 1}),
-    ("… no interleaving", {"chunks": 1}),
-    ("… context parallel over 2, selective", {"cp": 2, "recompute": "selective"}),
+    ("… no pipeline (pp 1, dp 192)", {"pp": 1, "dp": 192}),
+    ("… 8 interleaved chunks", {"chunks": 8}),
+    ("… context parallel over 2, selective, FlashAttention",
+     {"cp": 2, "recompute": "selective", "fused_attention": True}),
+    ("Llama 3 405B, 128K, as published", published_inputs("Llama 3 405B, 128K")),
+    ("DeepSeek-V3 as published (EP 64)", published_inputs("DeepSeek-V3")),
     ("GPT-2 124M on one RTX 4090", {"model": "GPT-2 124M", "seq_len": 1024, "gpu": "RTX 4090",
                                     "dp": 1, "tp": 1, "pp": 1, "zero": 0, "micro_batch": 8,
                                     "micro_batches": 1, "chunks": 1, "recompute": "none"}),
@@ -63,20 +77,29 @@ def memory_form() -> str:
         _number("micro_batch", "micro-batch (sequences)", s["micro_batch"]),
         _number("micro_batches", "micro-batches per step", s["micro_batches"]),
         _number("chunks", "interleaved chunks", s["chunks"]),
-        '<label class="calc-check"><input type="checkbox" name="sequence_parallel"> '
-        "sequence parallelism</label>",
+        _check("sequence_parallel", "sequence parallelism", s["sequence_parallel"]),
+        _check("fused_attention", "FlashAttention (no score matrix kept)", s["fused_attention"]),
     ]
     return _form("calc-memory", "Memory per GPU", fields)
 
 
 def plan_form() -> str:
-    run = web.PUBLISHED[1]
+    run = web.planner_presets()[1]  # GPT-3 175B on Selene
     fields = [
         _select("model", "model", [(m, m) for m in web.MODELS], run["model"]),
         _select("cluster", "cluster", [(c, c) for c in web.CLUSTERS], run["cluster"]),
         _number("global_batch", "global batch (sequences)", run["global_batch"]),
-    ]
+        _number("cp", "cp (context parallel)", run["cp"]),
+        _select("framework", "framework", [(f, f) for f in web.FRAMEWORKS], run["framework"]),
+        _check("dp_overlap", "data-parallel reduction overlaps the backward pass",
+               run["dp_overlap"]),
+    ]  # fmt: skip
     return _form("calc-plan", "The planner", fields)
+
+
+def _check(name, label, checked):
+    return (f'<label class="calc-check"><input type="checkbox" name="{name}"'
+            f'{" checked" if checked else ""}> {escape(label)}</label>')  # fmt: skip
 
 
 def _form(key, title, fields):
@@ -105,16 +128,20 @@ def memory_table() -> str:
     return _static("GB per GPU, by state", head, rows)
 
 
+def axes_text(axes) -> str:
+    """``dp×tp×pp``, with ``CP c`` and ``EP e`` where they are above 1 (as the page shows)."""
+    dp, tp, cp, pp, ep = axes
+    return f"{dp}×{tp}×{pp}" + (f", CP {cp}" if cp > 1 else "") + (f", EP {ep}" if ep > 1 else "")
+
+
 def plan_table() -> str:
     head = "".join(f"<th>{h}</th>" for h in ("run", "rank", "dp×tp×pp", "GB", "step s", "TFLOP/s"))
     rows = []
-    for run in web.PUBLISHED:
-        inputs = {k: run[k] for k in ("model", "cluster", "global_batch")}
-        for i, row in enumerate(web.plan_layouts(inputs, top=3)["rows"]):
-            lay = row["layout"]
+    for run in web.planner_presets():
+        for i, row in enumerate(web.plan_layouts(run, top=3)["rows"]):
             rows.append(
-                f"<tr><th>{escape(run['model'])}</th><td>{i + 1}</td>"
-                f"<td>{lay['dp']}×{lay['tp']}×{lay['pp']}</td><td>{row['memory'] / 1e9:.2f}</td>"
+                f"<tr><th>{escape(run['name'])}</th><td>{i + 1}</td>"
+                f"<td>{axes_text(row['axes'])}</td><td>{row['memory'] / 1e9:.2f}</td>"
                 f"<td>{row['step_s']:.2f}</td><td>{row['tflops']:.1f}</td></tr>"
             )
     return _static("The planner's three fastest meshes for each published run", head, rows)

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 import os
+import re
+import sys
 import sysconfig
 import traceback
+import types
 from pathlib import Path
 
 from labsupport.launch import launch
@@ -42,6 +46,54 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
+
+
+def _stub_name(exc: BaseException, fn) -> str:
+    """The function whose body is still the stub: the innermost of the learner's frames
+    (outside the library) that ``exc`` passed through, here or on a rank, a method as
+    ``Class.method``; ``fn``'s name if there is none."""
+    if isinstance(exc, LaunchError):  # frames as launch.errors.restore_sources names them
+        text = exc.failures[exc.root_rank].traceback
+        frames = re.findall(r'(File "[^"]+"|Cell In\[\d+\]), line \d+, in (\w+)', text)
+        frames = [(_rank_file(where), name) for where, name in frames]
+    else:
+        frames, tb = [], exc.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            frames.append((code.co_filename, code.co_qualname))
+            tb = tb.tb_next
+    learners = [name for path, name in frames if not _in_library(path)]
+    if not learners:
+        return getattr(fn, "__name__", "your function")
+    return _as_method(learners[-1], fn)
+
+
+def _rank_file(where: str) -> str:
+    """A path from a rank's traceback, made absolute again: ``Cell In[5]`` is a cell
+    (the learner's), and a relative path is relative to the ``sys.path`` entry it was
+    imported from (launch.errors._short_path), found again by its top-level module."""
+    if where.startswith("Cell"):
+        return "<cell>"
+    path = where[len('File "') : -1]
+    if os.path.isabs(path) or path.startswith("<"):
+        return path
+    spec = importlib.util.find_spec(path.split("/")[0].removesuffix(".py"))
+    origin = spec.origin if spec is not None and spec.origin else ""
+    return os.path.join(os.path.dirname(origin), path.partition("/")[2]) if "/" in path else origin
+
+
+def _as_method(name: str, fn) -> str:
+    """``name``, from a rank's traceback (which names functions only), as ``Class.name``
+    when it is no function beside ``fn`` but a method of a class defined beside it: the
+    first such class, which in a lab is the first stub the checker calls."""
+    module = getattr(fn, "__module__", None)
+    namespace = getattr(fn, "__globals__", None) or vars(sys.modules.get(module, sys))
+    if "." in name or isinstance(namespace.get(name), types.FunctionType):
+        return name
+    for value in list(namespace.values()):
+        if isinstance(value, type) and value.__module__ == module and name in vars(value):
+            return f"{value.__qualname__}.{name}"
+    return name
 
 
 def _not_attempted(exc: BaseException) -> bool:
@@ -80,6 +132,13 @@ _LIBRARY = tuple(
 )
 
 
+def _in_library(filename: str) -> bool:
+    """Whether code from ``filename`` is the library's, Python's or a package's."""
+    if filename.startswith("<"):  # "<frozen ...>" is Python's own; "<ipython-...>" a cell
+        return filename.startswith("<frozen")
+    return os.path.realpath(filename).startswith(_LIBRARY)
+
+
 def _learners_traceback(exc: BaseException, fn, check):
     """The part of ``exc``'s traceback from the first frame of the learner's code on, or
     ``None`` when the exception never passed through it. The learner's code is ``fn``
@@ -91,10 +150,7 @@ def _learners_traceback(exc: BaseException, fn, check):
     def learners(code) -> bool:
         if code is own:
             return True
-        if code.co_filename.startswith("<"):  # "<frozen ...>" is Python's own
-            return not code.co_filename.startswith("<frozen")
-        path = os.path.realpath(code.co_filename)
-        return path != checkers and not path.startswith(_LIBRARY)
+        return os.path.realpath(code.co_filename) != checkers and not _in_library(code.co_filename)
 
     tb = exc.__traceback__
     while tb is not None and not learners(tb.tb_frame.f_code):
@@ -148,13 +204,12 @@ def exercise(check):
 
     @functools.wraps(check)
     def checker(fn, *args, **kwargs) -> Checked:
-        name = getattr(fn, "__name__", "your function")
         try:
             checked = check(fn, *args, **kwargs)
         except (NotImplementedError, LaunchError) as exc:
             if not _not_attempted(exc):
                 raise  # a rank's error: the launcher shows the rank's own traceback
-            print(f"Not attempted yet: write the body of {name}() above, then run this cell.")
+            print(f"Not attempted yet: write {_stub_name(exc, fn)}(), then run this cell.")
             return Checked(False)
         except Exception as exc:
             _as_verdict(exc, fn, check)

@@ -1,5 +1,5 @@
-"""Lab 8, all-reduce algorithms: an emulated network, timing side by side, and the
-exercises' checkers.
+"""Lab 8, all-reduce algorithms: an emulated network and timing side by side (the
+exercises' checkers are in :mod:`labsupport.labs.lab08_exercises`).
 
 The algorithms are in :mod:`labsupport.comm.allreduce` (with :func:`bytes_sent`, the
 exact count), their alpha-beta costs in :mod:`labsupport.comm.cost`, the timing in
@@ -16,7 +16,6 @@ network with that alpha and beta.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass
 
@@ -25,8 +24,6 @@ import torch.distributed as dist
 
 from labsupport.comm import allreduce, p2p
 from labsupport.comm.allreduce import ALGORITHMS, all_reduce
-from labsupport.comm.cost import all_reduce_time
-from labsupport.labs.cells import exercise, number
 from labsupport.launch.runtime import device
 from labsupport.measure.timing import side_by_side
 
@@ -161,68 +158,3 @@ def emulated_times(sizes, alpha: float, beta: float, rounds: int = 7) -> dict | 
         for nbytes in sizes
     }
     return times if dist.get_rank() == 0 else None
-
-
-# --------------------------------------------------------------------------- exercises
-
-
-@exercise
-def check_ring_bytes(fn) -> str:
-    """Exercise 1: ``fn(nbytes, world_size)`` must give the bytes each rank sends in a
-    ring all-reduce of ``nbytes``, for sizes that divide by the world size."""
-    for world in (2, 3, 4, 8, 64):
-        for nbytes in (world * 4, world * 4096, world * 10**6):
-            got = number(fn(nbytes, world), "a number of bytes")
-            want = 2 * (world - 1) * nbytes // world
-            if got == want:
-                continue
-            where = f"nbytes={nbytes:,}, world_size={world}: got {got:,.15g} bytes per rank, "
-            if got == want // 2:
-                hint = "which is one phase of the ring: it has two"
-            elif got == want * world:
-                hint = "as if every step sent the whole tensor: a step of the ring sends one chunk"
-            else:
-                side = "more" if got > want else "fewer"
-                hint = f"{side} than a ring all-reduce sends: count its steps and the bytes of one"
-            raise AssertionError(where + hint)
-    return "the bytes each rank sends in a ring all-reduce, on 2 to 64 ranks, 3 sizes each"
-
-
-@exercise
-def check_ring_time(fn) -> str:
-    """Exercise 2: ``fn(nbytes, world_size, alpha, beta)`` must give the alpha-beta time
-    of a ring all-reduce."""
-    alpha, beta = 1e-5, 1e-10
-    for world in (2, 8, 1024):
-        for nbytes in (4, 2**20, 2**30):
-            got = number(fn(nbytes, world, alpha, beta), "a time in seconds")
-            want = float(all_reduce_time("ring", world, nbytes, alpha, beta))
-            if _close(got, want):
-                continue
-            where = f"nbytes={nbytes:,}, world_size={world}: got {got:.6g} s, "
-            side = "more" if got > want else "less"
-            # A time linear in alpha and beta splits into its latency part (beta = 0)
-            # and its bandwidth part (alpha = 0): say which one is off.
-            latency = number(fn(nbytes, world, alpha, 0.0), "a time in seconds")
-            if not _close(latency, float(all_reduce_time("ring", world, nbytes, alpha, 0.0))):
-                hint = "the latency part (beta = 0) is off: how many messages, one after another?"
-            elif not _close(
-                number(fn(nbytes, world, 0.0, beta), "a time in seconds"),
-                float(all_reduce_time("ring", world, nbytes, 0.0, beta)),
-            ):
-                hint = "the bandwidth part (alpha = 0) is off: how many bytes does a rank send?"
-            else:
-                hint = "the time should be the latency part plus the bandwidth part"
-            raise AssertionError(f"{where}{side} than the ring takes; {hint}")
-    return "the alpha-beta time of a ring all-reduce, on 2 to 1,024 ranks, from 4 B to 1 GiB"
-
-
-def _close(got: float, want: float) -> bool:
-    """Equal up to the rounding of a formula evaluated in another order.
-
-    The same formula computed in another order differs by a few float64 roundings
-    (unit roundoff 2^-53 = 1.1e-16 each, about ten operations): a relative 1e-12 leaves
-    a margin of 1000 over that, and is far below the smallest slip in the formula (one
-    step more or less on 1,024 ranks changes the time by 1/2046, 5e-4).
-    """
-    return math.isclose(got, want, rel_tol=1e-12, abs_tol=0.0)

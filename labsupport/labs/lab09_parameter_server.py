@@ -1,5 +1,6 @@
 """Lab 9, the parameter server: the task the workers train on, the runs' records read
-back, bytes through the server counted, and the exercises' checkers.
+back, and bytes through the server counted (the exercises' checkers are in
+:mod:`labsupport.labs.lab09_exercises`).
 
 The server and the workers are :func:`labsupport.parallel.parameter_server.train`
 (synchronous, asynchronous, stale-synchronous, a straggler); the drawings are in
@@ -12,14 +13,11 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from labsupport.comm.allreduce import all_reduce, bytes_sent
 from labsupport.comm.flat import even_spans
 from labsupport.comm.p2p import count_traffic
-from labsupport.labs.cells import exercise, number
-from labsupport.launch.launcher import launch
 from labsupport.launch.runtime import device
 from labsupport.models import mse_loss, train_one_process
 from labsupport.parallel import parameter_server as ps
@@ -165,84 +163,3 @@ def ring_traffic(numel: int) -> dict:
         "sent": traffic.bytes_sent,
         "formula": bytes_sent("ring", numel, 4, world, rank),
     }
-
-
-# --------------------------------------------------------------------------- exercises
-
-
-@exercise
-def check_server_bytes(fn) -> str:
-    """Exercise 1: ``fn(num_params, workers, servers)`` must give the gradient bytes one
-    server receives in a synchronous step (float32, ``servers`` divides ``num_params``)."""
-    for numel, workers, servers in [
-        (6000, 3, 1),
-        (6000, 3, 2),
-        (124_439_808, 64, 8),
-        (10**9, 1024, 16),
-    ]:
-        got = number(fn(numel, workers, servers))
-        want = workers * 4 * numel // servers
-        if got == want:
-            continue
-        where = (
-            f"{numel:,} parameters, {workers} workers, {servers} servers: got {got:,.15g} bytes, "
-        )
-        if got == 4 * numel // servers:
-            hint = "one worker's push: every worker pushes to every server"
-        elif got == workers * 4 * numel:
-            hint = "the whole gradient: a server holds only its shard of the parameters"
-        elif got == want // 4:
-            hint = "that counts parameters: each float32 takes 4 bytes"
-        else:
-            hint = f"{'more' if got > want else 'fewer'} than the server receives"
-        raise AssertionError(where + hint)
-    return "the bytes a server receives per step, for 1 to 16 servers and up to 1,024 workers"
-
-
-@exercise
-def check_staleness(fn) -> str:
-    """Exercise 2: ``fn(order, workers)`` must give the staleness of each push, when the
-    pushes reach an asynchronous server in ``order`` (a list of worker numbers)."""
-    traces = [
-        ("every worker in turn", lambda: [0, 1, 2] * 3),
-        ("one straggler", lambda: [1, 2, 1, 2, 0, 1, 2, 1, 2, 0]),
-        ("a real run", _real_order),  # launched only once the made-up orders pass
-    ]
-    for label, make in traces:
-        order = make()
-        answer = fn(list(order), 3)
-        if not isinstance(answer, list | tuple):
-            raise AssertionError(f"your function returned {answer!r}: it should return a list")
-        got = [number(s) for s in answer]
-        want = simulate_staleness(order, 3)
-        if got == want:
-            continue
-        first = next(
-            (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), len(got)
-        )
-        where = f"{label}, order {order}: push {first} should have staleness {want[first]}, "
-        where += f"got {got[first]}" if first < len(got) else f"got {len(got)} values"
-        if len(got) == len(want) and all(a == b + 1 for a, b in zip(got, want, strict=True)):
-            where += "; a worker pulled the parameters *after* its own update was applied"
-        raise AssertionError(where)
-    return (
-        "the staleness of every push, on made-up orders and on the order of a real asynchronous run"
-    )
-
-
-def simulate_staleness(order: list[int], workers: int) -> list[int]:
-    """What an asynchronous server records: updates applied since the worker pulled."""
-    pulled, out = [0] * workers, []
-    for version, w in enumerate(order):
-        out.append(version - pulled[w])
-        pulled[w] = version + 1
-    return out
-
-
-def _real_order() -> list[int]:
-    results = launch(ps.train, 4, args=(make_model, batch, F.mse_loss, 4), kwargs={"mode": "async"})
-    (server,) = servers_of(results)
-    want = [u["staleness"] for u in server["updates"]]
-    order = [u["worker"] for u in server["updates"]]
-    assert simulate_staleness(order, 3) == want, "the server's records disagree with the model"
-    return order

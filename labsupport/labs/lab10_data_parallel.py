@@ -1,9 +1,9 @@
-"""Lab 10, data parallelism: the course GPT trained by the naive all-reduce, by the
-bucketed DDP of :mod:`labsupport.parallel.data_parallel` and by PyTorch's own; one step's
-timeline and its bytes counted, both through communication hooks (torch's
-``register_comm_hook``); the bucket size swept. The model of overlap is
-:mod:`labsupport.estimate.overlap`; the profiler, the sampler and the exercises' checkers
-are in :mod:`labsupport.labs.lab10_tools`.
+"""Lab 10, data parallelism: the lab's GPT and its data (the training loop itself is in
+the notebook), what the ranks must reproduce, one step's timeline and its bytes counted,
+both through communication hooks (torch's ``register_comm_hook``); the bucket size swept.
+The model of overlap is :mod:`labsupport.estimate.overlap`; the profiler, the sampler and
+the first exercises' checkers are in :mod:`labsupport.labs.lab10_tools`, the gradient-hook
+exercise in :mod:`labsupport.labs.lab10_exercises`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from labsupport.comm.allreduce import all_reduce, bytes_sent
 from labsupport.comm.p2p import count_traffic
-from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.measure.timing import side_by_side
 from labsupport.models import GPT, batch_share, random_tokens, tiny_gpt, train_one_process
-from labsupport.parallel.data_parallel import DistributedDataParallel, all_reduce_gradients
+from labsupport.parallel.data_parallel import DistributedDataParallel
 
 #: The lab's GPT (the benchmark's, bench/ddp.py): 4 layers, d = 128, 128 tokens, 256 ids.
 CONFIG = {"vocab_size": 256, "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128}
 #: Sequences per rank and step, and the learning rate of plain SGD.
 BATCH, LR = 2, 0.1
-WRAPPERS = ("naive", "ours", "torch")
 
 
 def make_gpt() -> GPT:
@@ -47,41 +45,14 @@ def my_share(step: int) -> tuple:
     return tuple(t[mine].to(device()) for t in global_batch(step, world))
 
 
-def wrap(model: nn.Module, kind: str, bucket_cap_mb: float) -> nn.Module:
-    """``model`` as data-parallel ``kind``: ``"naive"`` (the model itself; call
-    :func:`~labsupport.parallel.data_parallel.all_reduce_gradients` after backward),
-    ``"ours"`` or ``"torch"`` (the two DistributedDataParallel)."""
-    if kind == "naive":
-        return model
-    cls = DistributedDataParallel if kind == "ours" else nn.parallel.DistributedDataParallel
-    return cls(model, bucket_cap_mb=bucket_cap_mb)
-
-
-def train(kind: str, steps: int = 3, bucket_cap_mb: float = 0.25, lr: float = LR) -> dict:
-    """On every rank: ``steps`` of SGD on this rank's share of each global batch, with
-    the gradients averaged by ``kind``; returns the parameters and each step's loss."""
-    model = make_gpt().to(device())
-    ddp = wrap(model, kind, bucket_cap_mb)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for step in progress(range(steps), kind):
-        idx, targets = my_share(step)
-        optimizer.zero_grad()
-        loss = ddp(idx, targets)[1]
-        loss.backward()
-        if kind == "naive":
-            all_reduce_gradients(model)
-        optimizer.step()
-        losses.append(loss.item())
-    return {"params": {n: p.detach().cpu() for n, p in model.named_parameters()}, "losses": losses}
-
-
-def single_process(steps: int, world: int, lr: float = LR) -> dict:
-    """What the ranks must reproduce: one process, the whole global batch each step."""
+def single_process(steps: int, world: int, lr: float = LR) -> tuple[dict, list]:
+    """What the ranks must reproduce: one process, the whole global batch each step.
+    Returns the parameters after, by name, and each step's loss."""
     model = make_gpt()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    train_one_process(model, optimizer, (global_batch(step, world) for step in range(steps)))
-    return {n: p.detach() for n, p in model.named_parameters()}
+    batches = (global_batch(step, world) for step in range(steps))
+    losses = train_one_process(model, optimizer, batches)
+    return {n: p.detach() for n, p in model.named_parameters()}, losses
 
 
 def max_difference(a: dict, b: dict) -> float:

@@ -1,6 +1,8 @@
 """Lab 10, the tools around a DDP run: a ``torch.profiler`` trace of one step read back,
-``DistributedSampler`` on real ranks, averaging against summing, and the exercises'
-checkers. The training and the timeline are in :mod:`labsupport.labs.lab10_data_parallel`.
+``DistributedSampler`` on real ranks, averaging against summing, and the checkers of
+exercises 1 to 3. The lab's model, data and timeline are in
+:mod:`labsupport.labs.lab10_data_parallel`; exercise 4's checker is in
+:mod:`labsupport.labs.lab10_exercises`.
 """
 
 from __future__ import annotations

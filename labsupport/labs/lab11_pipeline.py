@@ -1,5 +1,7 @@
 """Lab 11, pipeline parallelism: the course GPT run through every schedule on real ranks,
-every action timed and the activations each rank holds counted, and the checkers.
+every action timed and the activations each rank holds counted, and the checkers of
+the formula exercises (the schedules the learner writes are checked in
+:mod:`labsupport.labs.lab11_exercises`).
 
 The schedules and their simulator are in :mod:`labsupport.parallel.schedules`, the
 executor in :mod:`labsupport.parallel.pipeline_parallel`, the model the lab runs in
@@ -27,15 +29,21 @@ from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.measure.memory import SavedBytes
 from labsupport.parallel import pipeline_parallel as pp
-from labsupport.parallel import schedules, simulator
+from labsupport.parallel import schedules
 from labsupport.parallel.parallel_state import Mesh
 
 
 def pipeline_steps(
-    cases: list, forward_s: float = 0.0, backward_s: float = 0.0, gradients: bool = False
+    cases: list,
+    forward_s: float = 0.0,
+    backward_s: float = 0.0,
+    gradients: bool = False,
+    bar: bool = True,
 ) -> list[dict]:
     """One training step of the lab's GPT per ``(schedule, m, v)`` of ``cases``, one
     after another (run on every rank); returns this rank's result for each case.
+    ``schedule`` names one of :func:`~labsupport.parallel.schedules.build`'s, or is a
+    function ``(p, m, rank)`` that gives a rank's actions (a learner's, ``v = 1``).
 
     For each case, every rank builds the same GPT, keeps its stages
     (:func:`~labsupport.parallel.pipeline_parallel.stage_modules`) and runs its list of
@@ -45,14 +53,17 @@ def pipeline_steps(
     clock for every process of a machine), the most micro-batches it held at once, the
     peak bytes its blocks kept (:class:`~labsupport.measure.memory.SavedBytes`), the
     losses (last rank) and, with ``gradients``, its gradients by the model's names.
+    ``bar=False`` leaves out the progress bar (a checker's verdict stands alone).
     """
     p, rank = dist.get_world_size(), dist.get_rank()
     groups = Mesh(dp=1, tp=1, pp=p).process_groups()
     results = []
-    for schedule, m, v in progress(cases, "cases"):
+    for schedule, m, v in progress(cases, "cases") if bar else cases:
+        named = isinstance(schedule, str)
+        style = schedules.style(schedule) if named else "loop"
         model = build(forward_s, backward_s).to(device())
-        chunks = pp.stage_modules(model, p, rank, v, schedules.style(schedule))
-        actions = schedules.build(schedule, p, m, v)[rank]
+        chunks = pp.stage_modules(model, p, rank, v, style)
+        actions = schedules.build(schedule, p, m, v)[rank] if named else schedule(p, m, rank)
         inputs, targets = micro_batches(m)
         shape = (MICRO_BATCH, LAB_GPT["block_size"], LAB_GPT["n_embd"])
         warm_up(model, shape)
@@ -61,10 +72,10 @@ def pipeline_steps(
         dist.barrier()
         clock = time.perf_counter()
         out = pp.run(chunks, actions, inputs, targets, shape, groups["pp"], groups.get("embedding"),
-                     style=schedules.style(schedule))  # fmt: skip
+                     style=style)  # fmt: skip
         result = {
             "rank": rank,
-            "case": (schedule, m, v),
+            "case": (schedule if named else schedule.__name__, m, v),
             "events": [(a.kind, *a[1:], clock + s, clock + e) for a, s, e in out["events"]],
             "peak_microbatches": out["peak_microbatches"],
             "peak_bytes": held.peak,
@@ -233,61 +244,3 @@ def _fewest(p: int, target: float, v: int, over: str = "of_total") -> int:
     while schedules.bubble_fraction(p, m, v)[over] > target:
         m += step
     return m
-
-
-@exercise
-def check_gpipe_schedule(fn) -> str:
-    """Exercise 3: ``fn(p, m, rank)``, GPipe's list of actions for one rank, must run
-    (no deadlock in :func:`~labsupport.parallel.simulator.simulate`), receive before it
-    computes and send what it computed, and hold ``m`` micro-batches at its peak."""
-    for p, m in [(4, 8), (2, 3), (3, 1), (1, 2)]:
-        lists = [fn(p, m, rank) for rank in range(p)]
-        for rank, acts in enumerate(lists):
-            _check_actions(acts, p, m, rank)
-        try:
-            timeline = simulator.simulate(lists)
-        except RuntimeError as exc:
-            raise AssertionError(f"p={p}, m={m}: {exc}") from None
-        held = [_peak_held(acts) for acts in lists]
-        if held != [m] * p:
-            raise AssertionError(
-                f"p={p}, m={m}: ranks hold {held} micro-batches at their peak; GPipe runs "
-                "every forward before the first backward, so each holds all m"
-            )
-        bubble = simulator.measured_bubble(timeline)
-        if not math.isclose(bubble, schedules.bubble_fraction(p, m)["of_total"]):
-            raise AssertionError(f"p={p}, m={m}: a bubble of {bubble:.3f}, not GPipe's")
-    return "GPipe as data: it runs on 1 to 4 stages, holds m micro-batches, has the bubble"
-
-
-#: What must come before each action, for the same micro-batch.
-NEEDS = dict(forward="recv_act", send_act="forward", backward="recv_grad", send_grad="backward")
-
-
-def _check_actions(acts, p: int, m: int, rank: int) -> None:
-    if not isinstance(acts, list) or not all(isinstance(a, schedules.Action) for a in acts):
-        raise AssertionError(f"rank {rank}: return a list of schedules.Action")
-    done: set = set()
-    for a in acts:
-        if a.kind in ("recv_act", "send_grad") and rank == 0:
-            raise AssertionError("rank 0 is the first stage: no stage comes before it")
-        if a.kind in ("send_act", "recv_grad") and rank == p - 1:
-            raise AssertionError(f"rank {p - 1} is the last stage: no stage comes after it")
-        edge = (a.kind == "forward" and rank == 0) or (a.kind == "backward" and rank == p - 1)
-        need = NEEDS.get(a.kind)
-        if need and not edge and (need, a.microbatch) not in done:
-            raise AssertionError(
-                f"rank {rank}: {a.kind} {a.microbatch} before {need} {a.microbatch}"
-            )
-        done.add((a.kind, a.microbatch))
-    computed = sorted((a.kind, a.microbatch) for a in acts if a.kind in ("forward", "backward"))
-    if computed != sorted((k, mb) for k in ("forward", "backward") for mb in range(m)):
-        raise AssertionError(f"rank {rank}: each micro-batch needs one forward and one backward")
-
-
-def _peak_held(acts) -> int:
-    held = peak = 0
-    for a in acts:
-        held += {"forward": 1, "backward": -1}.get(a.kind, 0)
-        peak = max(peak, held)
-    return peak

@@ -1,28 +1,26 @@
 """Lab 13, hybrid (3D) parallelism: the course GPT trained data x tensor x pipeline
 parallel on 8 ranks, its traffic counted per axis, the mesh in two rank orders and in
-PyTorch's ``DeviceMesh``, the planner on published runs, and the exercises' checkers.
+PyTorch's ``DeviceMesh``, and the checkers of exercises 2 and 3 (exercise 1's is
+:mod:`labsupport.labs.lab13_mesh`; the planner's tables and exercise 4's checker are
+:mod:`labsupport.labs.lab13_planner`, imported here for the notebook's ``lab.``).
 
-The training is :func:`labsupport.parallel.hybrid.train_3d`, the mesh
+The training loop is the notebook's, around :class:`labsupport.parallel.hybrid.Hybrid3D`
+(:func:`~labsupport.parallel.hybrid.train_3d` is the same loop), the mesh
 :class:`labsupport.parallel.parallel_state.Mesh`, the planner
 :mod:`labsupport.estimate.planner` with :mod:`labsupport.estimate.published`.
 """
 
 from __future__ import annotations
 
-import html
 import math
 
-import ipywidgets as widgets
 import torch.distributed as dist
 
 from labsupport.comm import p2p, traced
 from labsupport.estimate.memory import training_memory
-from labsupport.estimate.planner import best_per_mesh, plan
-from labsupport.estimate.published import CLUSTERS, MODELS, PUBLISHED, check
-from labsupport.labs.cells import exercise, format_table
+from labsupport.labs.cells import exercise
 from labsupport.launch.runtime import device
 from labsupport.parallel.hybrid import train_3d
-from labsupport.parallel.parallel_state import Mesh
 from labsupport.parallel.pipeline_parallel import partition
 
 #: The lab's GPT and run: 2 layers, so that 2 pipeline stages hold one block each.
@@ -34,15 +32,21 @@ MICROBATCHES, STEPS, BATCH, LR = 2, 3, 8, 1e-2
 ORDERS = {"Megatron-LM (default)": "tp-dp-pp", "Llama 3": "tp-pp-dp"}
 
 
-def train_3d_counted(dp=DP, tp=TP, pp=PP, microbatches=MICROBATCHES, steps=STEPS):
-    """:func:`labsupport.parallel.hybrid.train_3d` on this rank, which prints its
-    coordinates and groups, with its traffic counted per axis: the collectives on its
-    tensor-parallel group (all-reduces) and on its data-parallel group (ZeRO-1's
-    reduce-scatter, all-gather and the all-reduce of which parameters got a gradient),
-    the point-to-point messages the pipeline's. Returns ``train_3d``'s result and the
-    bytes this rank sent per step on each axis."""
+def lab_train(dp=DP, tp=TP, pp=PP, steps=STEPS) -> dict:
+    """:func:`labsupport.parallel.hybrid.train_3d` with the lab's model and run (the
+    notebook writes the same loop out)."""
+    return train_3d(CONFIG, dp, tp, pp, MICROBATCHES, steps, BATCH, LR)
+
+
+def train_3d_counted(train=lab_train, dp=DP, tp=TP, pp=PP, steps=STEPS):
+    """``train(dp, tp, pp, steps)`` (the notebook's loop, or :func:`lab_train`) on this
+    rank, which prints its coordinates and groups, with its traffic counted per axis: the
+    collectives on its tensor-parallel group (all-reduces) and on its data-parallel group
+    (ZeRO-1's reduce-scatter, all-gather and the all-reduce of which parameters got a
+    gradient), the point-to-point messages the pipeline's. Returns ``train``'s result
+    and the bytes this rank sent per step on each axis."""
     with traced.trace_collectives() as trace, p2p.count_traffic() as messages:
-        out = train_3d(CONFIG, dp, tp, pp, microbatches, steps, BATCH, LR)
+        out = train(dp, tp, pp, steps)
     c, g = out["coords"], out["groups"]
     print(
         f"tp={c['tp']} dp={c['dp']} pp={c['pp']}: "
@@ -98,145 +102,46 @@ def expected_traffic(coords: dict, dp=DP, tp=TP, pp=PP, microbatches=MICROBATCHE
     }
 
 
-def device_mesh_groups(dp=DP, tp=TP, pp=PP) -> dict:
-    """This rank's groups in PyTorch's ``init_device_mesh`` for both orders of
-    :data:`ORDERS`: the mesh's shape lists the axes slowest first."""
+def torch_groups(dp: int, tp: int, pp: int, order: str) -> dict:
+    """This rank's groups in PyTorch's ``init_device_mesh`` for the mesh of ``order``:
+    the mesh's shape lists the axes slowest first, the reverse of ``order``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    found = {}
-    for name, order in ORDERS.items():
-        axes = order.split("-")[::-1]  # slowest first
-        sizes = {"tp": tp, "dp": dp, "pp": pp}
-        mesh = init_device_mesh(
-            device().type, tuple(sizes[a] for a in axes), mesh_dim_names=tuple(axes)
-        )
-        found[name] = {a: dist.get_process_group_ranks(mesh.get_group(a)) for a in axes}
+    axes = order.split("-")[::-1]
+    sizes = {"tp": tp, "dp": dp, "pp": pp}
+    mesh = init_device_mesh(
+        device().type, tuple(sizes[a] for a in axes), mesh_dim_names=tuple(axes)
+    )
+    return {a: dist.get_process_group_ranks(mesh.get_group(a)) for a in axes}
+
+
+def device_mesh_groups(dp=DP, tp=TP, pp=PP) -> dict:
+    """This rank's groups in PyTorch's ``init_device_mesh`` for both orders of
+    :data:`ORDERS`."""
+    found = {name: torch_groups(dp, tp, pp, order) for name, order in ORDERS.items()}
     return {"rank": dist.get_rank(), "groups": found}
 
 
 # --------------------------------------------------------------------------- the planner
+# (labsupport.labs.lab13_planner; its names here for the notebook's ``lab.``)
 
-
-def checked() -> dict:
-    """:func:`labsupport.estimate.published.check` of every published run, by model."""
-    return {entry["model"]: check(entry) for entry in PUBLISHED}
-
-
-def published_rows(checks: dict) -> list[dict]:
-    """The planner on each published run (``checks``: :func:`checked`): the layout as
-    published, its predicted throughput next to the published one, where its mesh ranks."""
-    rows = []
-    for entry in PUBLISHED:
-        found = checks[entry["model"]]
-        p, best = found["published"], found["meshes"][0]
-        key = "tflops" if entry["counted"] == "with recomputation" else "model_tflops"
-        dp, tp, pp = entry["layout"].mesh
-        gap = found["mesh_best"]["step_s"] / best["step_s"] - 1
-        rows.append(
-            {
-                "model": entry["model"],
-                "GPUs": f"{dp * tp * pp:,}",
-                "published dp x tp x pp": f"{dp} x {tp} x {pp}",
-                "GB/GPU": f"{p['memory'] / 1e9:.0f}",
-                "TFLOP/s predicted": f"{p[key]:.0f}",
-                "published": f"{entry['tflops']:g}",
-                "mesh rank": f"{found['rank']} of {len(found['meshes'])}",
-                "planner's best": "{} x {} x {}".format(*best["layout"].mesh),
-                "published mesh vs best": f"+{gap:.0%}",
-            }
-        )
-    return rows
-
-
-def plan_rows(model: str, cluster: str, global_batch: int, top: int = 5) -> list[dict]:
-    """The ``top`` meshes the planner finds, each with its best layout: ``b`` is the
-    micro-batch in sequences, ``v`` the chunks per pipeline rank (interleaving), ``comm``
-    the communication left exposed (tensor, pipeline and data parallel together)."""
-    meshes = best_per_mesh(plan(MODELS[model], CLUSTERS[cluster], global_batch))
-    rows = []
-    for r in meshes[:top]:
-        lay, parts = r["layout"], r["parts"]
-        rows.append(
-            {
-                "dp x tp x pp": f"{lay.dp} x {lay.tp} x {lay.pp}",
-                "ZeRO": lay.zero,
-                "b": lay.micro_batch,
-                "v": lay.chunks,
-                "recompute": lay.recompute,
-                "GB/GPU": f"{r['memory'] / 1e9:.0f}",
-                "step (s)": f"{r['step_s']:.2f}",
-                "bubble (s)": f"{parts['bubble']:.2f}",
-                "comm (s)": f"{parts['tensor'] + parts['pipeline'] + parts['data']:.2f}",
-                "MFU": f"{r['mfu']:.0%}",
-            }
-        )
-    return rows
-
-
-class PlannerExplorer(widgets.interactive):
-    """The planner's widget; without a kernel it reads as one line."""
-
-    def __repr__(self) -> str:
-        return "Planner explorer: a live widget (run this cell in JupyterLab to use it)"
-
-    def describe(self) -> str:
-        """The table the controls show now."""
-        return format_table(plan_rows(**self.kwargs, top=8))
-
-
-def explorer() -> PlannerExplorer:
-    """Pick a published model, a cluster and a global batch (in sequences): the planner's
-    best meshes. It starts on GPT-3 175B's run on Selene (BLOOM's best meshes are printed
-    above it in the lab)."""
-    report = widgets.HTML()
-    style, layout = {"description_width": "120px"}, widgets.Layout(width="520px")
-
-    def show(model, cluster, global_batch):
-        rows = plan_rows(model, cluster, global_batch, top=8)
-        text = format_table(rows) if rows else "no layout fits in memory"
-        report.value = f"<pre>{html.escape(text)}</pre>"
-
-    start = PUBLISHED[1]
-
-    box = PlannerExplorer(
-        show,
-        model=widgets.Dropdown(
-            options=list(MODELS), value=start["model"], description="model", style=style
-        ),
-        cluster=widgets.Dropdown(
-            options=list(CLUSTERS), value=start["cluster"], description="cluster", style=style
-        ),
-        global_batch=widgets.SelectionSlider(
-            options=[256, 512, 1024, 1536, 2048, 3072, 4096],
-            value=start["global_batch"],
-            description="global batch",
-            style=style,
-            layout=layout,
-        ),
-    )
-    box.children = (*box.children, report)
-    return box
-
+from labsupport.labs.lab13_planner import (  # noqa: E402, F401
+    ASSUMPTION_RUN,
+    PUBLISHED_TABLES,
+    SENSITIVITY,
+    PlannerExplorer,
+    calibration_rows,
+    check_assumption,
+    checked,
+    explorer,
+    mesh_label,
+    plan_rows,
+    published_rows,
+    published_tables,
+    sensitivity_rows,
+)
 
 # --------------------------------------------------------------------------- exercises
-
-
-@exercise
-def check_coords(fn) -> str:
-    """Exercise 1: ``fn(rank, dp, tp, pp)``, the rank's ``{"tp", "dp", "pp"}``
-    coordinates in Megatron's default order (tensor fastest, then data, then pipeline)."""
-    meshes = [(2, 2, 2), (2, 2, 4), (3, 2, 2), (8, 4, 12), (1, 8, 16)]
-    for dp, tp, pp in meshes:
-        mesh = Mesh(dp, tp, pp)
-        for rank in range(0, mesh.world_size, max(1, mesh.world_size // 40)):
-            got, want = fn(rank, dp, tp, pp), mesh.coords(rank)
-            hint = ""
-            if got == Mesh(dp, tp, pp, "pp-dp-tp").coords(rank):
-                hint = " (the tensor-parallel coordinate varies fastest, not slowest)"
-            assert got == want, (
-                f"rank {rank} of dp={dp}, tp={tp}, pp={pp}: got {got}, expected {want}{hint}"
-            )
-    return f"every rank (or every few) of {len(meshes)} meshes, BLOOM's 8 x 4 x 12 among them"
 
 
 @exercise

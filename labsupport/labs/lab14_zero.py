@@ -1,14 +1,17 @@
 """Lab 14, ZeRO and FSDP: ZeRO stages 1-3 from scratch on real ranks, their memory and
 traffic against the formulas, the same training as plain Adam, FSDP2 and DeepSpeed, and
-the exercises' checkers.
+the checkers of the formula exercises.
 
-ZeRO is :mod:`labsupport.parallel.zero`, the formulas :func:`labsupport.estimate.memory.
+The training loop is in the notebook; :class:`Record` keeps its books. ZeRO is
+:mod:`labsupport.parallel.zero`, the formulas :func:`labsupport.estimate.memory.
 training_memory` and :mod:`labsupport.comm.traced`; FSDP2 and DeepSpeed run in
-:mod:`labsupport.labs.lab14_frameworks`.
+:mod:`labsupport.labs.lab14_frameworks`, the ZeRO-1 exercise in
+:mod:`labsupport.labs.lab14_exercises`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -18,7 +21,6 @@ from labsupport.comm import traced
 from labsupport.comm.metrics import mean_over_ranks
 from labsupport.estimate.memory import training_memory
 from labsupport.labs.cells import exercise
-from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.measure.memory import saved_tensors
 from labsupport.models import GPT, batch_share, random_tokens, tiny_gpt, train_one_process
@@ -101,48 +103,51 @@ def plain_adam(steps: int = STEPS) -> dict:
     return {"losses": losses, "params": cpu_params(model)}
 
 
-def train_zero(stage: int, steps: int = STEPS) -> dict:
-    """Train with :class:`labsupport.parallel.zero.ZeRO` (run on every rank).
+class Record:
+    """The bookkeeping of a ZeRO run's training loop (the loop is in the lab's notebook):
+    each step's loss averaged over the ranks (:meth:`loss`), the bytes this rank holds
+    after the backward pass (:meth:`held`, :meth:`~labsupport.parallel.zero.ZeRO.
+    state_bytes`), and the collectives of the step (:meth:`step`, a ``with`` block that
+    :mod:`labsupport.comm.traced` records; the last step's are kept). :meth:`result`
+    is what :func:`memory_rows` and :func:`traffic_rows` read: the model states'
+    reduce-scatters and all-gathers apart from the all-reduce of the flags that say
+    which parameters got a gradient, and the whole parameters after training."""
 
-    Returns the loss of each step, the bytes this rank holds after the last backward
-    pass (measured from its tensors), the collectives of the last step and the bytes
-    they send out of this rank (the model states' reduce-scatters and all-gathers apart
-    from the all-reduce of the flags that say which parameters got a gradient), and the
-    whole parameters after training."""
-    model = build()
-    zero = ZeRO(model, stage, lr=LR)
-    losses = []
-    for step in progress(range(steps), f"ZeRO-{stage}"):
-        zero.zero_grad()
+    def __init__(self, zero: ZeRO):
+        self.zero, self.losses, self.memory, self.trace = zero, [], None, None
+
+    @contextlib.contextmanager
+    def step(self):
         with traced.trace_collectives() as trace:
-            loss = model(*my_share(step))[1]
-            loss.backward()
-            memory = zero.state_bytes()
-            zero.step()
-        losses.append(mean_over_ranks(loss))
-    if stage == 3:  # gather the shards to compare whole parameters
-        for _, unit in zero.units:
-            unit.gather()
-    states = traced.Trace([c for c in trace.calls if c[0] != "all_reduce"])
-    flags = traced.Trace([c for c in trace.calls if c[0] == "all_reduce"])
-    return {
-        "rank": dist.get_rank(),
-        "stage": stage,
-        "losses": losses,
-        "memory": memory,
-        "calls": [name for name, _, _ in trace.calls],
-        "bytes": traced.bytes_per_rank(states),
-        "flag bytes": traced.bytes_per_rank(flags),
-        "numel": sum(p.numel() for p in model.parameters()),
-        "padded": sum(u.padded for _, u in zero.units),
-        "tensors": sum(len(u.params) for _, u in zero.units),
-        "params": cpu_params(model),
-    }
+            yield
+        self.trace = trace
 
+    def held(self) -> None:
+        self.memory = self.zero.state_bytes()
 
-def zero_runs(stages=STAGES, steps: int = STEPS) -> dict:
-    """:func:`train_zero` for each stage in turn, in one launch: ``{stage: result}``."""
-    return {stage: train_zero(stage, steps) for stage in stages}
+    def loss(self, loss: torch.Tensor) -> None:
+        self.losses.append(mean_over_ranks(loss))
+
+    def result(self) -> dict:
+        zero, calls = self.zero, self.trace.calls
+        if zero.stage == 3:  # gather the shards to compare whole parameters
+            for _, unit in zero.units:
+                unit.gather()
+        states = traced.Trace([c for c in calls if c[0] != "all_reduce"])
+        flags = traced.Trace([c for c in calls if c[0] == "all_reduce"])
+        return {
+            "rank": dist.get_rank(),
+            "stage": zero.stage,
+            "losses": self.losses,
+            "memory": self.memory,
+            "calls": [name for name, _, _ in calls],
+            "bytes": traced.bytes_per_rank(states),
+            "flag bytes": traced.bytes_per_rank(flags),
+            "numel": sum(p.numel() for p in zero.model.parameters()),
+            "padded": sum(u.padded for _, u in zero.units),
+            "tensors": sum(len(u.params) for _, u in zero.units),
+            "params": cpu_params(zero.model),
+        }
 
 
 def memory_rows(runs_by_world: dict) -> list[dict]:

@@ -1,7 +1,7 @@
-"""Lab 16, fault tolerance: a training run that checkpoints, a rank killed by SIGKILL,
-the resume that continues it exactly, torchrun restarting a job by itself, a checkpoint
-of 4 ranks loaded by 2, a damaged checkpoint refused and passed over, and asynchronous
-checkpoints.
+"""Lab 16, fault tolerance: the pieces of a training run that checkpoints (its loop is
+in the notebook), a rank killed by SIGKILL, the resume that continues it exactly, a
+checkpoint of 4 ranks loaded by 2, a damaged checkpoint refused and passed over, and
+asynchronous checkpoints.
 
 The run trains the course GPT, with dropout, data-parallel with the course's ZeRO-1
 (:mod:`labsupport.parallel.zero`) and Adam, a learning rate that warms up and decays,
@@ -26,9 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from labsupport.estimate import reliability
-from labsupport.labs.cells import exercise
-from labsupport.launch.progress import progress
 from labsupport.launch.runtime import device
 from labsupport.models import batch_share, random_tokens, tiny_gpt
 from labsupport.parallel import checkpoint as ck
@@ -106,16 +103,16 @@ def zero_block(file: str, size: int = 4096) -> None:
         f.write(bytes(size))
 
 
-#: What :func:`train` can leave out of a resume, to see that each is needed.
+#: What :func:`restore` can leave out of a resume, to see that each is needed.
 PARTS = ("optimizer states", "RNG states", "step")
 
 
-def resume(zero: ZeRO, path: str, leave_out=()) -> tuple[int, list]:
-    """Load the checkpoint at ``path`` into ``zero`` and this rank's generator; returns
-    the step to go on from and the losses so far. ``leave_out`` names parts of
-    :data:`PARTS` to start afresh instead, as if the checkpoint had not saved them."""
-    state = training_state(zero, 0, [])
-    ck.load(state, path)
+def restore(state: dict, zero: ZeRO, leave_out=()) -> tuple[int, list]:
+    """After :func:`~labsupport.parallel.checkpoint.load` of a checkpoint into ``state``
+    (:func:`training_state`'s, whose tensors it filled in place): rebuild the ZeRO
+    parameters, set this rank's generator, and return the step to go on from and the
+    losses so far. ``leave_out`` names parts of :data:`PARTS` to start afresh instead, as
+    if the checkpoint had not saved them."""
     ck.restore_zero(zero)
     ck.set_rng_state(state["rng"])
     if "optimizer states" in leave_out:
@@ -127,7 +124,10 @@ def resume(zero: ZeRO, path: str, leave_out=()) -> tuple[int, list]:
 
 
 def train_step(model, zero: ZeRO, step: int, steps: int = STEPS) -> float:
-    """One step of the run; returns the loss of the whole batch (the mean over ranks)."""
+    """One step of the run: the step's learning rate, forward and loss on this rank's
+    share of the step's batch, backward, and ZeRO-1's step (reduce-scatter the gradients,
+    Adam on this rank's shard, all-gather the parameters). Returns the loss of the whole
+    batch (the mean over the ranks)."""
     for group in zero.optimizer.param_groups:
         group["lr"] = learning_rate(step, steps)
     zero.zero_grad()
@@ -139,37 +139,11 @@ def train_step(model, zero: ZeRO, step: int, steps: int = STEPS) -> float:
     return total.item() / dist.get_world_size()
 
 
-def train(root: str, steps: int = STEPS, every=EVERY, kill=None, resume_from=None, leave_out=()):
-    """Train, writing a checkpoint under ``root`` every ``every`` steps (never if
-    ``every`` is ``None``).
-
-    ``kill=(rank, step)``: that rank kills itself with SIGKILL as the step begins, as a
-    failed GPU would stop its process. ``resume_from``: a checkpoint to go on from
-    (``leave_out``: see :func:`resume`). Returns the losses of every step (the mean over
-    the ranks), the step it started at, and the seconds the steps, each save and the
-    load took.
-    """
-    model, zero = new_run()
-    rank, start, losses, saves, load_s = dist.get_rank(), 0, [], [], None
-    if resume_from is not None:
-        began = time.perf_counter()
-        start, losses = resume(zero, resume_from, leave_out)
-        dist.barrier()
-        load_s = time.perf_counter() - began
-    step_s = 0.0
-    for step in progress(range(start, steps), "train"):
-        if kill is not None and (rank, step) == tuple(kill):
-            os.kill(os.getpid(), signal.SIGKILL)
-        began = time.perf_counter()
-        losses.append(train_step(model, zero, step, steps))
-        step_s += time.perf_counter() - began
-        if every and (step + 1) % every == 0:
-            began = time.perf_counter()
-            ck.save(training_state(zero, step + 1, losses), checkpoint_path(root, step + 1))
-            dist.barrier()  # the checkpoint is complete once every rank has written
-            saves.append(time.perf_counter() - began)
-    seconds = {"step_s": step_s / max(1, steps - start), "save_s": saves, "load_s": load_s}
-    return {"start": start, "losses": losses, **seconds}
+def fail_here(kill, step: int) -> None:
+    """``kill=(rank, step)``: that rank kills itself with SIGKILL as that step begins, as
+    a failed GPU would stop its process (no exception, no clean-up)."""
+    if kill is not None and (dist.get_rank(), step) == tuple(kill):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def first_difference(losses: list, reference: list) -> int | None:
@@ -204,11 +178,14 @@ def async_checkpoint(root: str, steps: int = EVERY) -> dict:
     """Train ``steps`` steps, then write the run's state twice: with
     :func:`~labsupport.parallel.checkpoint.save` (training waits until it is written) and
     with :func:`~labsupport.parallel.checkpoint.save_async` (training waits for the copy
-    only, and takes its next step while the writer works). Returns the seconds training
-    waited for each, whether the asynchronous checkpoint holds the parameters as they
-    were when it was started, and whether the step taken meanwhile changed them."""
+    only, and takes its next step while the writer works). Returns the seconds a step
+    took, the seconds training waited for each checkpoint, whether the asynchronous
+    checkpoint holds the parameters as they were when it was started, and whether the
+    step taken meanwhile changed them."""
     model, zero = new_run()
+    began = time.perf_counter()
     losses = [train_step(model, zero, step) for step in range(steps)]
+    step_s = (time.perf_counter() - began) / steps
     state = training_state(zero, steps, losses)
     dist.barrier()
     began = time.perf_counter()
@@ -234,61 +211,10 @@ def async_checkpoint(root: str, steps: int = EVERY) -> dict:
         for (_, unit), want in zip(zero.units, expected, strict=True)
     )
     return {
+        "step_s": step_s,
         "blocking_s": blocking,
         "async_returned_s": returned,
         "async_written_s": written,
         "held_the_state": held,
         "training_went_on": moved,
     }
-
-
-# --------------------------------------------------------------------------- exercises
-
-
-@exercise
-def check_checkpoint_interval(fn) -> str:
-    """Exercise 1: ``fn(checkpoint_s, mtbf_s)`` must give the interval that wastes least."""
-    for c, m in [(40.0, 3 * 3600.0), (60.0, 11_130.0), (1.0, 3600.0), (300.0, 86_400.0)]:
-        got = fn(c, m)
-        assert isinstance(got, int | float) and got > 0, f"C={c} s, M={m} s: got {got!r}"
-        best = reliability.young_interval(c, m)
-        waste = reliability.wasted_fraction(got, c, m)
-        assert abs(got - best) <= 1e-3 * best, (
-            f"C={c} s, M={m:.0f} s: got {got:.1f} s, which wastes {waste:.2%} of the time; "
-            f"another interval wastes {reliability.wasted_fraction(best, c, m):.2%} (write "
-            "the waste C/τ + τ/(2M) and find where its derivative is zero)"
-        )
-    return "Young's interval for four checkpoint costs and failure rates"
-
-
-@exercise
-def check_newest_complete(fn) -> str:
-    """Exercise 2: ``fn(root)`` must name the newest checkpoint that is complete: whose
-    folder holds the checksums (:data:`~labsupport.parallel.checkpoint.MANIFEST`), which
-    are written last."""
-    import tempfile
-
-    layouts = [
-        ({"step4": True, "step8": True}, "step8"),
-        ({"step4": True, "step8": False}, "step4"),  # step 8 was interrupted while written
-        ({"step9": True, "step10": True, "step12": False}, "step10"),  # 10 comes after 9
-        ({"step4": False}, None),
-        ({}, None),
-    ]
-    for folders, want in layouts:
-        with tempfile.TemporaryDirectory() as root:
-            for name, complete in folders.items():
-                os.makedirs(os.path.join(root, name))
-                written = [".metadata", "__0_0.distcp"] + ([ck.MANIFEST] if complete else [])
-                for file in written:
-                    open(os.path.join(root, name, file), "w").close()
-            got = fn(root)
-            got = os.path.basename(got) if got else got
-        state = ", ".join(
-            f"{n} ({'complete' if c else 'no ' + ck.MANIFEST})" for n, c in folders.items()
-        )
-        assert got == want, (
-            f"checkpoints {state or 'none'}: got {got!r}, expected {want!r} (is a "
-            f"checkpoint complete without {ck.MANIFEST}? is step10 newer than step9?)"
-        )
-    return "the newest complete checkpoint of five folders, or None"

@@ -2,10 +2,11 @@
 
 :func:`torchrun_job` runs one ``torchrun`` that may restart the job
 (``--max-restarts``), elastic between one and two nodes (``--nnodes=1:2``);
-:func:`train_elastic` is the job: the run of
-:mod:`~labsupport.labs.lab16_fault_tolerance`, which goes on from its newest complete
-checkpoint, and whose rank 2 dies in the first attempt. torchrun restarts the workers;
-only the training script can bring back where they were.
+:func:`train_elastic` is the job: the notebook's training loop (which
+:func:`save_loop` writes to a file, pickled by value as :func:`labsupport.launch` sends
+it to its ranks), going on from its newest complete checkpoint, and whose rank 2 dies in
+the first attempt. torchrun restarts the workers; only the training script can bring
+back where they were.
 """
 
 from __future__ import annotations
@@ -13,25 +14,37 @@ from __future__ import annotations
 import os
 import re
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 
-from labsupport.labs.lab16_fault_tolerance import latest_checkpoint, train
+from labsupport.labs.lab16_fault_tolerance import latest_checkpoint
 from labsupport.launch import loopback
 from labsupport.launch.launcher import rank_environment
 from labsupport.launch.nodes import free_port, log_message, stream_nodes, torchrun_command
 
 
-def train_elastic(root: str, kill_rank: int = 2, kill_step: int = 10) -> dict | None:
-    """:func:`train` as a job restarted by torchrun: go on from the newest complete
-    checkpoint under ``root`` if there is one, and in the job's first attempt only
-    (``TORCHELASTIC_RESTART_COUNT`` 0), let rank ``kill_rank`` die at ``kill_step``."""
+def save_loop(train, path: str) -> str:
+    """Write the training loop ``train`` (a function, the notebook's) to the file
+    ``path``, pickled by value, for :func:`train_elastic`; returns ``path``."""
+    with open(path, "wb") as f:
+        cloudpickle.dump(train, f)
+    return path
+
+
+def train_elastic(root: str, loop: str, kill_rank: int = 2, kill_step: int = 10) -> dict | None:
+    """The training loop in the file ``loop`` (:func:`save_loop`) as a job restarted by
+    torchrun: go on from the newest complete checkpoint under ``root`` if there is one,
+    and in the job's first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), let rank
+    ``kill_rank`` die at ``kill_step``."""
     # torch takes no more threads than the machine has cores, whatever OMP_NUM_THREADS
     # asks; launch()'s ranks set the number themselves, and so does this job, so that
     # both do every sum in the same order
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     kill = (kill_rank, kill_step) if attempt == 0 else None
+    with open(loop, "rb") as f:
+        train = cloudpickle.load(f)
     result = train(root, kill=kill, resume_from=latest_checkpoint(root))
     if dist.get_rank() != 0:
         return None  # labsupport.run prints rank 0's result only

@@ -4,6 +4,7 @@
   imported torch once, with the environment torchrun gives its workers;
 * :mod:`~labsupport.launch.preload`: what that forkserver imports, and why;
 * :mod:`~labsupport.launch.ranks`: the launcher's view of each rank and its live output;
+* :mod:`~labsupport.launch.leftovers`: what a launch's ranks started and left running;
 * :mod:`~labsupport.launch.errors`: :class:`LaunchError`, naming the root-cause rank;
 * :mod:`~labsupport.launch.worker`: what runs inside each rank;
 * :mod:`~labsupport.launch.runtime`: the backend (gloo, or gloo + NCCL on GPUs), the rank's

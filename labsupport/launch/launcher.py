@@ -17,6 +17,9 @@ rank's first optimizer needs (:mod:`~labsupport.launch.preload`), and each rank 
 of that server: the Jupyter kernel itself, which runs threads, is never forked, and a
 launch costs a tenth of a second instead of seconds.
 
+A launch that fails, times out or is interrupted also stops what its ranks started in
+sessions of their own (:mod:`~labsupport.launch.leftovers`).
+
 Everything a launch listens on is on the loopback interface
 (:mod:`~labsupport.launch.loopback`): the store, and the ranks' gloo and NCCL sockets.
 """
@@ -38,7 +41,7 @@ import types
 
 import cloudpickle
 
-from labsupport.launch import loopback, runtime
+from labsupport.launch import leftovers, loopback, runtime
 from labsupport.launch.errors import (
     LaunchError,
     RankFailure,
@@ -84,6 +87,18 @@ def warm_up() -> None:
     _context()
     multiprocessing.forkserver.ensure_running()
     _started = True
+
+
+def stop_forkserver() -> bool:
+    """Stop the forkserver, and with it any rank still running (each dies with its
+    parent), as ``multiprocessing`` does at exit: the next launch starts a new one, which
+    imports every module afresh. Whether one was running."""
+    global _started
+    server = multiprocessing.forkserver._forkserver
+    running = server._forkserver_pid is not None
+    server._stop()  # closes the pipe the server watches, then waits for it to exit
+    _started = False
+    return running
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -228,6 +243,9 @@ def launch(
     finally:
         for r in ranks:
             r.kill()
+        if any(r.failure is not None or not r.exited for r in ranks):
+            # what the failed or stopped ranks started in sessions of their own
+            leftovers.stop(leftovers.started_by(run_id))
         for r in ranks:
             r.close()
         del store

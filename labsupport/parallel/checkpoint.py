@@ -53,6 +53,8 @@ __all__ = [
     "load",
     "rng_state",
     "set_rng_state",
+    "zero_parameters",
+    "zero_optimizer",
     "zero_state",
     "restore_zero",
 ]
@@ -154,16 +156,23 @@ def _sharded(flat_shard: torch.Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
     return DTensor.from_local(flat_shard[:real], mesh, [Shard(0)], shape=(numel,), stride=(1,))
 
 
-def zero_state(zero, group=None) -> dict:
-    """The ZeRO parameters and Adam (or AdamW) states as DTensors over the data-parallel
-    ranks: loading into them restores them in place.
+def zero_parameters(zero, group=None) -> dict:
+    """The ZeRO parameters, each unit's flat shard as a DTensor over the data-parallel
+    ranks (``{"unit0": ..., ...}``): loading into them restores them in place."""
+    mesh = _mesh(group)
+    return {f"unit{i}": _sharded(u.shard, u.numel, mesh) for i, (_, u) in enumerate(zero.units)}
 
-    A unit's parameters are its flat shard. Its optimizer states are one tensor per
-    parameter's piece (:mod:`labsupport.parallel.zero`), so they are first moved into one
-    flat buffer per unit and state, and the pieces' states become views into it, which
-    Adam goes on updating in place; a piece Adam has not stepped yet gets the state it
-    would start from (zeros, step 0). The step counts, one per parameter, are the same on
-    every rank: a plain tensor, which DCP keeps once."""
+
+def zero_optimizer(zero, group=None) -> dict:
+    """The Adam (or AdamW) states of the ZeRO shards, per unit, as DTensors over the
+    data-parallel ranks: loading into them restores them in place.
+
+    A unit's optimizer states are one tensor per parameter's piece
+    (:mod:`labsupport.parallel.zero`), so they are first moved into one flat buffer per
+    unit and state, and the pieces' states become views into it, which Adam goes on
+    updating in place; a piece Adam has not stepped yet gets the state it would start
+    from (zeros, step 0). The step counts, one per parameter, are the same on every rank:
+    a plain tensor, which DCP keeps once."""
     if not isinstance(zero.optimizer, torch.optim.Adam):
         raise TypeError(
             f"zero_state saves Adam's and AdamW's states, not {type(zero.optimizer).__name__}'s;"
@@ -183,11 +192,17 @@ def zero_state(zero, group=None) -> dict:
                     flat[key][lo:hi] = adam[key]
             adam.update({key: flat[key][lo:hi] for key in keys}, step=steps[j])
         state[f"unit{i}"] = {
-            "parameters": _sharded(unit.shard, unit.numel, mesh),
             **{key: _sharded(flat[key], unit.numel, mesh) for key in keys},
             "steps": steps,
         }
     return state
+
+
+def zero_state(zero, group=None) -> dict:
+    """:func:`zero_parameters` and :func:`zero_optimizer` together, per unit:
+    ``{"unit0": {"parameters": ..., "exp_avg": ..., "exp_avg_sq": ..., "steps": ...}}``."""
+    parameters, optimizer = zero_parameters(zero, group), zero_optimizer(zero, group)
+    return {unit: {"parameters": parameters[unit], **optimizer[unit]} for unit in parameters}
 
 
 def restore_zero(zero) -> None:

@@ -18,10 +18,16 @@ batch, and pushes it back, shard by shard, over point-to-point messages.
   workers in step, but it sums a round's gradients (staleness 0 to W-1) where
   ``mode="sync"`` averages them.
 
-A push is two messages: a small header (worker, version, loss) on a gloo group, which a
-server can receive *from any sender* (gloo supports it, NCCL does not), then the gradient
-shard on the default group, from that sender, on :func:`labsupport.launch.device`.
-Every byte sent goes through :mod:`labsupport.comm.p2p` and is counted.
+A worker talks to the servers through a :class:`Client`. A server sends every worker the
+parameters once at the start, then answers each push with the parameters the worker is
+to go on with (its shard and version): at once asynchronously, once every worker has
+pushed synchronously, never after a worker's last push. :meth:`Client.push` sends the
+gradient and waits for that answer; :meth:`Client.pull` hands over the parameters last
+received, with their version, which the next push reports. A push is two messages: a
+small header (worker, version pulled, loss) on a gloo group, which a server can receive
+*from any sender* (gloo supports it, NCCL does not), then the gradient shard on the
+default group, from that sender, on :func:`labsupport.launch.device`. Every byte sent
+goes through :mod:`labsupport.comm.p2p` and is counted.
 """
 
 from __future__ import annotations
@@ -51,13 +57,16 @@ def train(
     lr: float = 0.1,
     staleness_bound: int | None = None,
     straggler: tuple[int, float] | None = None,
+    worker_loop: Callable | None = None,
 ) -> dict:
     """Run on every rank: parameter-server SGD for ``steps`` pushes per worker.
 
     ``make_model()`` builds the same model on every rank (seed it); ``batch(worker, step)``
     gives worker ``worker`` (0-based) its ``(inputs, targets)`` for ``step``;
     ``loss_fn(outputs, targets)``. ``straggler=(worker, factor)`` makes one worker take
-    ``factor`` times as long per step (it sleeps the difference).
+    ``factor`` times as long per step (it sleeps the difference). ``worker_loop(client,
+    model, batch, loss_fn, steps)`` replaces the workers' loop, :func:`work` (lab 9's
+    exercise); ``batch`` then gives tensors on the model's device.
 
     Returns, on servers, ``{"role": "server", "shard": (start, stop), "updates": [...],
     "parameters": final shard}`` with one record per update (``worker``, ``staleness``,
@@ -81,7 +90,16 @@ def train(
         return _serve(
             flat, bounds, world - servers, servers, steps, mode, lr, staleness_bound, control, start
         )
-    return _work(model, flat, bounds, batch, loss_fn, steps, servers, straggler, control)
+    client = Client(bounds, steps, control)
+
+    def on_device(worker: int, step: int) -> tuple:
+        return tuple(t.to(device()) for t in batch(worker, step))
+
+    if worker_loop is None:
+        work(client, model, on_device, loss_fn, steps, straggler)
+    else:
+        worker_loop(client, model, on_device, loss_fn, steps)
+    return {"role": "worker", "losses": client.losses, "parameters": client.flat.cpu()}
 
 
 def _serve(flat, bounds, workers, servers, steps, mode, lr, bound, control, start):
@@ -131,33 +149,72 @@ def _serve(flat, bounds, workers, servers, steps, mode, lr, bound, control, star
     return {"role": "server", "shard": (lo, hi), "updates": updates, "parameters": shard.cpu()}
 
 
-def _work(model, flat, bounds, batch, loss_fn, steps, servers, straggler, control):
-    me = dist.get_rank()
-    worker = me - len(bounds)
-    g, gc = Group(), Group(control)
-    incoming = [torch.empty(hi - lo + 1, device=device()) for lo, hi in bounds]
-    losses = []
-    for step in range(steps):
-        versions = []
-        for s, buf in enumerate(incoming):  # pull every shard
+class Client:
+    """A worker's side of the protocol, every server at once, shard by shard: ``worker``
+    is this worker's number (0-based), ``losses`` the loss sent with each push."""
+
+    def __init__(self, bounds: list[tuple[int, int]], steps: int, control):
+        self.bounds, self.steps = bounds, steps
+        self.worker = dist.get_rank() - len(bounds)
+        self.g, self.gc = Group(), Group(control)
+        self.flat = torch.empty(bounds[-1][1], device=device())  # the parameters received
+        self.received = [0] * len(bounds)  # their versions, shard by shard
+        self.pulled = [0] * len(bounds)  # the versions pull() last handed over
+        self.losses: list[float] = []
+        self._incoming = [torch.empty(hi - lo + 1, device=device()) for lo, hi in bounds]
+        self._receive()  # the initial parameters, which every server sends at the start
+
+    def _receive(self) -> None:
+        for s, (buf, (lo, hi)) in enumerate(zip(self._incoming, self.bounds, strict=True)):
             dist.recv(buf, src=s)
-            lo, hi = bounds[s]
-            flat[lo:hi] = buf[:-1]
-            versions.append(int(buf[-1]))
-        vector_to_parameters(flat, model.parameters())
+            self.flat[lo:hi] = buf[:-1]
+            self.received[s] = int(buf[-1])
+
+    def pull(self) -> torch.Tensor:
+        """The parameters the servers last sent, as one flat vector
+        (``vector_to_parameters`` loads it into a model); the next push reports their
+        version, from which the server counts the gradient's staleness."""
+        if len(self.losses) == self.steps:
+            raise RuntimeError(
+                f"pull after the last of the {self.steps} pushes: the servers send no "
+                "parameters after a worker's last push. Pull before each step's gradient."
+            )
+        self.pulled = list(self.received)
+        return self.flat.clone()
+
+    def push(self, grad: torch.Tensor, loss: float) -> None:
+        """Send every server its shard of ``grad``, flat as ``parameters_to_vector`` gives
+        it, with the version pulled and the batch's ``loss``; then, unless it was the
+        last push, wait for the servers' answer, the parameters to go on with."""
+        if grad.numel() != self.flat.numel():
+            raise ValueError(
+                f"push a flat vector of all {self.flat.numel()} gradients, not "
+                f"{grad.numel()}: parameters_to_vector(p.grad for p in model.parameters())"
+            )
+        if len(self.losses) == self.steps:
+            raise RuntimeError(f"push {self.steps + 1} of a run of {self.steps} steps")
+        self.losses.append(float(loss))
+        grad = grad.detach().to(device())
+        for s, (lo, hi) in enumerate(self.bounds):
+            isend(self.gc, torch.tensor([self.worker, self.pulled[s], float(loss)]), s).wait()
+            isend(self.g, grad[lo:hi].contiguous(), s).wait()
+        if len(self.losses) < self.steps:
+            self._receive()
+
+
+def work(client: Client, model: nn.Module, batch, loss_fn, steps: int, straggler=None) -> None:
+    """A worker's loop (Downpour SGD's): pull the parameters, compute the gradient of its
+    own batch, push it; ``steps`` times."""
+    for step in range(steps):
+        vector_to_parameters(client.pull(), model.parameters())
         begin = time.perf_counter()
-        inputs, targets = batch(worker, step)
+        inputs, targets = batch(client.worker, step)
         model.zero_grad()
-        loss = loss_fn(model(inputs.to(device())), targets.to(device()))
+        loss = loss_fn(model(inputs), targets)
         loss.backward()
-        if straggler is not None and straggler[0] == worker:
+        if straggler is not None and straggler[0] == client.worker:
             time.sleep((straggler[1] - 1) * (time.perf_counter() - begin))
-        grads = parameters_to_vector(p.grad for p in model.parameters())
-        losses.append(loss.item())
-        for s, (lo, hi) in enumerate(bounds):  # push every shard
-            isend(gc, torch.tensor([worker, versions[s], loss.item()]), s).wait()
-            isend(g, grads[lo:hi].contiguous(), s).wait()
-    return {"role": "worker", "losses": losses, "parameters": flat.cpu()}
+        client.push(parameters_to_vector(p.grad for p in model.parameters()), loss.item())
 
 
 def _scalar(value: float) -> torch.Tensor:

@@ -30,7 +30,7 @@ def simulate(
     them: a receive that would get another micro-batch's tensor, or an activation where
     the peer sends a gradient, raises ``RuntimeError`` (the lists do not match; run for
     real, same-shaped tensors would be swapped without an error). So does a schedule in
-    which no rank can go on, naming what each waits for (a deadlock). Returns each rank's
+    which no rank can go on, naming what each waits for (a :class:`Deadlock`). Returns each rank's
     compute actions with the slot each starts at."""
     p = len(lists)
     queues = [batches(acts) for acts in lists]
@@ -60,14 +60,31 @@ def simulate(
                 progressed = True
         if not progressed:
             _pair_up(sent, received, complete=False)  # lists that disagree, if that is why
-            stuck = "; ".join(
-                f"rank {r} waits for {_input(queues[r][position[r]][0])}"
+            stuck = [
+                (r, sum(map(len, queues[r][: position[r]])), queues[r][position[r]][0], clock[r])
                 for r in range(p)
                 if position[r] < len(queues[r])
-            )
-            raise RuntimeError(f"the schedule deadlocks: {stuck}")
+            ]
+            raise Deadlock(stuck)
     _pair_up(sent, received, complete=True)
     return timeline
+
+
+class Deadlock(RuntimeError):
+    """No rank can go on. ``stuck`` holds, for each rank not done, ``(rank, index,
+    action, slot)``: the compute ``action``, number ``index`` of the rank's list, that
+    waits at time ``slot`` for a message no rank will send."""
+
+    def __init__(self, stuck: list[tuple[int, int, Action, int]]):
+        self.stuck = stuck
+        super().__init__(
+            "the schedule deadlocks: "
+            + "; ".join(
+                f"rank {r} waits for {_input(a)} (its action {i}, {a.kind} {a.microbatch}, "
+                f"at slot {slot})"
+                for r, i, a, slot in stuck
+            )
+        )
 
 
 def _pair_up(sent: dict, received: dict, complete: bool) -> None:

@@ -7,7 +7,7 @@ import numpy as np
 from matplotlib.patches import FancyBboxPatch
 
 from labsupport.estimate.memory import training_memory
-from labsupport.estimate.published import PUBLISHED, check
+from labsupport.estimate.published import PUBLISHED, as_published
 from labsupport.estimate.units import GB
 from labsupport.parallel.parallel_state import Mesh
 from labsupport.viz.style import PAGE_WIDTH, SMALL, rank_color, subplots
@@ -163,6 +163,8 @@ def zero_measured_figure(rows: list[dict]):
 STEP_PARTS = {
     "compute": rank_color(0),
     "tensor": rank_color(1),
+    "context": rank_color(4),
+    "expert": rank_color(5),
     "pipeline": rank_color(2),
     "bubble": rank_color(7),
     "data": rank_color(3),
@@ -202,6 +204,11 @@ def published_breakdown_figure():
     :mod:`labsupport.estimate.published`, as published."""
     results = {}
     for entry in PUBLISHED:
-        dp, tp, pp = entry["layout"].mesh
-        results[f"{entry['model']}\n{dp} x {tp} x {pp}"] = check(entry)["published"]
+        dp, tp, cp, pp, ep = entry["layout"].axes
+        mesh = (
+            f"{dp} x {tp} x {pp}"
+            + (f", CP {cp}" if cp > 1 else "")
+            + (f", EP {ep}" if ep > 1 else "")
+        )
+        results[f"{entry['name']}\n{mesh}"] = as_published(entry)
     return step_breakdown_figure(results)

@@ -340,8 +340,58 @@ def test_a_checkers_wrong_answer_is_a_short_verdict(browser, server):
     page.close()
 
 
+MERGE_WRONG = """\
+from labsupport.labs import lab17_exercises as exercises
+
+
+def merge(out, lse, block_out, block_lse):
+    return (out + block_out) / 2, torch.logaddexp(lse, block_lse)
+"""
+MERGE_RIGHT = """\
+def merge(out, lse, block_out, block_lse):
+    new_lse = torch.logaddexp(lse, block_lse)
+    weight = (lse - new_lse).exp().unsqueeze(-1)
+    block_weight = (block_lse - new_lse).exp().unsqueeze(-1)
+    return weight * out + block_weight * block_out, new_lse
+
+
+exercises.check_merge(merge)
+"""
+
+
+def test_a_mechanism_exercise_on_ranks_says_wrong_then_correct(browser, server):
+    """A learner's first attempt at lab 17's merge is wrong, the second right: the checker
+    runs each inside ring attention on 4 ranks and says so, in a few lines."""
+    scratch(
+        server,
+        "merge.ipynb",
+        ["import torch\n\n" + MERGE_WRONG, "exercises.check_merge(merge)", MERGE_RIGHT],
+    )
+    page = run_all(browser, server, "merge.ipynb", timeout=180)  # stops at the wrong answer
+    wrong = page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea").inner_text()
+    assert wrong.strip().splitlines() == [
+        "Not right yet: on two blocks, the merged output is not the softmax over both: a plain "
+        "average gives each block the same weight; weight each by its share of the softmax's "
+        "denominator over both blocks, exp(lse_i - new_lse)",
+        "Change merge() above, run its cell, then this one again.",
+    ]
+    page.evaluate(
+        "() => { const w = window.jupyterapp.shell.currentWidget; w.content.activeCellIndex = 2; }"
+    )
+    command(page, "notebook:run-cell")
+    wait_idle(page, 180)
+    right = page.locator(".jp-Cell").nth(2).locator(".jp-OutputArea").inner_text()
+    assert right.strip().splitlines()[-1] == (
+        "Correct: inside ring attention on 4 ranks, your merge gives SDPA's output and gradients"
+    ), right
+    cells = saved_cells(page, server, "merge.ipynb")
+    assert [name for _, name in errors(cells)] == ["AssertionError"]
+    page.close()
+
+
 def test_nothing_was_written_into_the_repository(server):
-    assert not (LABS / "scratch.ipynb").exists() and not (LABS / "verdict.ipynb").exists()
+    for name in ("scratch.ipynb", "verdict.ipynb", "merge.ipynb"):
+        assert not (LABS / name).exists(), name
     assert server["labs_before"] == _snapshot(LABS), "the test changed files in labs/"
 
 

@@ -396,99 +396,138 @@ def shown(page, out: str) -> dict:
     }
 
 
-def memory_case(model, seq_len, gpu, dp, tp, pp, cp, zero, recompute, b, m, v, sp):
-    inputs = {"model": model, "seq_len": seq_len, "gpu": gpu, "dp": dp, "tp": tp, "pp": pp,
-              "cp": cp, "ep": 1, "zero": zero, "recompute": recompute, "micro_batch": b,
-              "micro_batches": m, "chunks": v, "sequence_parallel": sp}  # fmt: skip
-    return inputs
-
-
-MEMORY_CASES = {
-    # Narayanan et al. 2021's GPT-3 run, as published (chapter 13's table)
-    "GPT-3 as published": memory_case(
-        "GPT-3 175B", 2048, "A100 SXM 80GB", 16, 8, 12, 1, 0, "full", 1, 96, 8, False
-    ),
-    "BLOOM as published": memory_case(
-        "BLOOM-176B", 2048, "A100 SXM 80GB", 8, 4, 12, 1, 1, "full", 2, 128, 1, False
-    ),
-    "Llama 3 405B, cp 2": memory_case(
-        "Llama 3 405B", 8192, "H100 SXM", 64, 8, 16, 2, 2, "selective", 1, 16, 4, True
-    ),
-    "custom 1.3B, ZeRO-3": memory_case(
-        "custom", 4096, "H200 SXM", 4, 2, 2, 1, 3, "none", 2, 4, 1, True
-    )
-    | {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 50257},
-    "GPT-2 on one RTX 4090": memory_case(
-        "GPT-2 124M", 1024, "RTX 4090", 1, 1, 1, 1, 0, "none", 8, 1, 1, False
-    ),
-}
-
-
-def expected_memory(inputs: dict) -> dict:
-    """GB per part from the planner's functions, called here in CPython (with torch)."""
-    import dataclasses
+def _site_modules():
     import sys
 
     sys.path.insert(0, str(ROOT))
-    from labsupport.estimate.memory import training_memory
-    from labsupport.estimate.planner import Layout, Transformer, memory, stage_params
-    from labsupport.estimate.published import MODELS
+    import tools.site_calculator_html as html
+    from labsupport.estimate import planner, published, stages
 
+    return html, planner, published, stages
+
+
+def memory_cases() -> dict:
+    """Five cases of the memory form: three published layouts (GPT-3; Llama 3's 128K stage,
+    context parallel; DeepSeek-V3, expert parallel), a custom model, GPT-2 on one GPU."""
+    html = _site_modules()[0]
+    rest = {"cp": 1, "ep": 1, "fused_attention": False}
+    return {
+        "GPT-3 as published": html.published_inputs("GPT-3 175B"),
+        "Llama 3 405B 128K as published": html.published_inputs("Llama 3 405B, 128K"),
+        "DeepSeek-V3 as published": html.published_inputs("DeepSeek-V3"),
+        "custom 1.3B, ZeRO-3": {
+            "model": "custom", "layers": 24, "hidden": 2048, "heads": 16, "vocab": 50257,
+            "seq_len": 4096, "gpu": "H200 SXM", "dp": 4, "tp": 2, "pp": 2, "zero": 3,
+            "recompute": "none", "micro_batch": 2, "micro_batches": 4, "chunks": 1,
+            "sequence_parallel": True,
+        } | rest,
+        "GPT-2 on one RTX 4090": {
+            "model": "GPT-2 124M", "seq_len": 1024, "gpu": "RTX 4090", "dp": 1, "tp": 1,
+            "pp": 1, "zero": 0, "recompute": "none", "micro_batch": 8, "micro_batches": 1,
+            "chunks": 1, "sequence_parallel": False,
+        } | rest,
+    }  # fmt: skip
+
+
+def expected_memory(inputs: dict) -> dict:
+    """GB per part of the heaviest stage, from the planner's functions called here in
+    CPython (with torch): the model and the layout built here, not by the page's adapter."""
+    import dataclasses
+
+    _, planner, published, stages = _site_modules()
     i = inputs
     if i["model"] == "custom":
-        model = Transformer("custom", i["layers"], i["hidden"], i["heads"], 1, i["vocab"])
+        model = planner.Transformer("custom", i["layers"], i["hidden"], i["heads"], 1, i["vocab"])
     elif i["model"] == "GPT-2 124M":
-        model = Transformer("GPT-2 124M", 12, 768, 12, 1024, 50257)
+        model = planner.Transformer("GPT-2 124M", 12, 768, 12, 1024, 50257)
     else:
-        model = MODELS[i["model"]]
+        model = published.MODELS[i["model"]]
     model = dataclasses.replace(model, seq_len=i["seq_len"])
-    dp, tp, pp, cp = i["dp"] * i["cp"], i["tp"], i["pp"], i["cp"]
-    parts = training_memory(stage_params(model, pp) / tp, "mixed", i["zero"], dp)
-    layout = Layout(dp, tp, pp, i["zero"], i["micro_batch"], i["chunks"], i["recompute"],
-                    i["sequence_parallel"] and tp > 1)  # fmt: skip
-    shard = dataclasses.replace(model, seq_len=i["seq_len"] // cp)
-    batch = dp * i["micro_batch"] * i["micro_batches"]
-    parts["activations"] = memory(shard, layout, batch)["activations"]
+    layout = planner.Layout(
+        i["dp"], i["tp"], i["pp"], zero=i["zero"], micro_batch=i["micro_batch"],
+        chunks=i["chunks"], recompute=i["recompute"], cp=i["cp"], ep=i["ep"],
+        sequence_parallel=i["sequence_parallel"] and i["tp"] > 1,
+        fused_attention=i["fused_attention"],
+    )  # fmt: skip
+    batch = i["dp"] * i["micro_batch"] * i["micro_batches"]
+    parts = dict(stages.heaviest_stage(model, layout, batch)[1])
     parts["total"] = sum(parts.values())
     return {part: value / 1e9 for part, value in parts.items()}
 
 
 def test_the_calculators_compute_in_the_page_opened_from_a_folder(browser):
     """file://, where Chromium allows no fetch(): five cases of memory per GPU and the
-    planner's ranking, against the same functions in CPython."""
-    import sys
+    planner's rankings, against the same functions in CPython."""
 
-    sys.path.insert(0, str(ROOT))
-    from labsupport.estimate.planner import best_per_mesh, evaluate, plan
-    from labsupport.estimate.published import CLUSTERS, MODELS, PUBLISHED, check
+    html, planner, published, _ = _site_modules()
+    runs = {e["name"]: e for e in published.PUBLISHED}
 
     page = open_page(browser)
     page.goto((SITE / "calculators.html").as_uri())
     calculator_started(page)
-    for name, inputs in MEMORY_CASES.items():
+    cases = memory_cases()
+    for name, inputs in cases.items():
         before = page.locator("#calc-memory-out").inner_text()
         set_inputs(page, "calc-memory-form", inputs)
         expect(page.locator("#calc-memory-out")).not_to_have_text(before)
         got, want = shown(page, "calc-memory-out"), expected_memory(inputs)
         assert got == pytest.approx(want, abs=0.0051), name
-    gpt3 = PUBLISHED[1]  # the planner's own memory of the published layout (chunks: its choice)
-    chosen = check(gpt3)["published"]["layout"]
-    assert chosen.chunks == 8
-    planned = evaluate(MODELS[gpt3["model"]], CLUSTERS[gpt3["cluster"]], chosen, 1536)
-    set_inputs(page, "calc-memory-form", MEMORY_CASES["GPT-3 as published"])
-    assert shown(page, "calc-memory-out")["total"] == pytest.approx(
-        planned["memory"] / 1e9, abs=0.0051
-    )
+    for name, run in [("GPT-3 175B", "GPT-3 as published"),
+                      ("Llama 3 405B, 128K", "Llama 3 405B 128K as published"),
+                      ("DeepSeek-V3", "DeepSeek-V3 as published")]:  # fmt: skip
+        set_inputs(page, "calc-memory-form", cases[run])
+        fits = published.as_published(runs[name])
+        assert shown(page, "calc-memory-out")["total"] == pytest.approx(
+            fits["memory"] / 1e9, abs=0.0051
+        )
+        verdict = page.locator("#calc-memory-out .calc-verdict")
+        expect(verdict).to_have_attribute("data-fits", str(fits["fits"]).lower())
 
-    # The planner opens on GPT-3 on Selene: its ten first meshes, as plan() ranks them.
+    # The planner opens on GPT-3 on Selene, its framework's settings as published: its ten
+    # first meshes as check() ranks them.
     rows = page.locator("#calc-plan-out tbody tr[data-row]")
     expect(rows).to_have_count(10)
-    want = best_per_mesh(plan(MODELS[gpt3["model"]], CLUSTERS[gpt3["cluster"]], 1536))[:10]
+    want = published.check(runs["GPT-3 175B"])["meshes"][:10]
+    expect_rows(rows, want, html.axes_text)
+    rows.nth(2).locator("button").click()
+    expect(page.locator("#calc-plan-out h4")).to_have_text("Layout 3: where the step goes")
+    parts, chosen = shown(page, "calc-plan-out"), want[2]
+    seconds = {k: parts.pop(k) for k in chosen["parts"]}
+    assert seconds == pytest.approx(chosen["parts"], abs=0.00051)
+    states, activations = chosen["states"], chosen["memory"] - chosen["states"]
+    want_gb = {"states": states / 1e9, "activations": activations / 1e9}
+    assert parts == pytest.approx(want_gb, abs=0.0051)
+    note = page.locator("#calc-plan-out .calc-note")
+    expect(note).to_contain_text("GEMMs at 64.1 % of the dense peak")
+
+    # Overlapping the data-parallel reduction: the ranking plan() gives with it.
+    gpt3 = runs["GPT-3 175B"]
+    same = ("cp", "a2a_overlap", "fused_attention", "fp8", "sequence_parallel")
+    settings = {k: (getattr(gpt3["layout"], k),) for k in same} | {"dp_overlap": (True,)}
+    model, cluster = published.MODELS[gpt3["model"]], published.CLUSTERS[gpt3["cluster"]]
+    overlapped = planner.best_per_mesh(planner.plan(model, cluster, 1536, **settings))[:10]
+    page.locator("#calc-plan-form [name=dp_overlap]").set_checked(True)
+    expect_rows(rows, overlapped, html.axes_text)
+
+    # Published runs: the preset fills their batch and settings; their rank as check() says.
+    for name, axes in [("Llama 3 405B, 128K", "8×8×16, CP 16"), ("DeepSeek-V3", "128×1×16, EP 64")]:
+        run = runs[name]
+        set_inputs(page, "calc-plan-form", {"model": run["model"], "cluster": run["cluster"]})
+        batch = page.locator("#calc-plan-form [name=global_batch]")
+        expect(batch).to_have_value(str(run["global_batch"]))
+        rank = published.check(run)["rank"]
+        expect(note).to_contain_text(f"The published mesh {axes} ranks {rank}.")
+    expect(note).to_contain_text("For this model the page searches only tp 1")
+    assert page.problems == [], "\n".join(page.problems)
+    page.context.close()
+
+
+def expect_rows(rows, want, axes_text):
+    """The page's ranked rows are ``want``'s (results of the planner), in order."""
+    expect(rows.first.locator("[data-key=mesh]")).to_have_text(axes_text(want[0]["layout"].axes))
     for i, result in enumerate(want):
         row = rows.nth(i)
-        assert row.locator("[data-key=mesh]").inner_text() == "×".join(
-            map(str, result["layout"].mesh)
-        )
+        assert row.locator("[data-key=mesh]").inner_text() == axes_text(result["layout"].axes)
         assert float(row.locator("[data-key=memory]").inner_text()) == pytest.approx(
             result["memory"] / 1e9, abs=0.0051
         )
@@ -498,23 +537,6 @@ def test_the_calculators_compute_in_the_page_opened_from_a_folder(browser):
         assert float(row.locator("[data-key=tflops]").inner_text()) == pytest.approx(
             result["tflops"], abs=0.051
         )
-    rows.nth(2).locator("button").click()
-    expect(page.locator("#calc-plan-out h4")).to_have_text("Layout 3: where the step goes")
-    parts, chosen = shown(page, "calc-plan-out"), want[2]
-    seconds = {k: parts.pop(k) for k in chosen["parts"]}
-    assert seconds == pytest.approx(chosen["parts"], abs=0.00051)
-    states, activations = chosen["states"], chosen["memory"] - chosen["states"]
-    want_gb = {"states": states / 1e9, "activations": activations / 1e9}
-    assert parts == pytest.approx(want_gb, abs=0.0051)
-
-    # Llama 3's published run: the preset fills its batch; the mesh's rank as check() says.
-    llama = PUBLISHED[3]
-    set_inputs(page, "calc-plan-form", {"model": llama["model"], "cluster": llama["cluster"]})
-    expect(page.locator("#calc-plan-form [name=global_batch]")).to_have_value("2048")
-    note = page.locator("#calc-plan-out .calc-note")
-    expect(note).to_contain_text(f"The published mesh 128×8×16 ranks {check(llama)['rank']}.")
-    assert page.problems == [], "\n".join(page.problems)
-    page.context.close()
 
 
 # Every text the memory calculator's status line shows, in order.
@@ -538,7 +560,8 @@ def test_the_calculators_work_from_the_keyboard_on_a_phone(phone, site_url):
         reached.append(phone.evaluate("document.activeElement.name"))
         phone.keyboard.press("Tab")
     fields = {"model", "seq_len", "gpu", "dp", "tp", "pp", "cp", "ep", "zero", "recompute",
-              "micro_batch", "micro_batches", "chunks", "sequence_parallel"}  # fmt: skip
+              "micro_batch", "micro_batches", "chunks", "sequence_parallel",
+              "fused_attention"}  # fmt: skip
     assert fields <= set(reached), f"the Tab key never reaches {fields - set(reached)}"
     total = phone.locator("#calc-memory-out td[data-part=total]")
     before = float(total.inner_text())
@@ -563,10 +586,12 @@ def test_without_python_the_calculators_page_says_why_and_shows_its_tables(page,
             "The calculator is off: the page could not load Python (Pyodide)"
         )
         expect(page.locator(f"{panel} select").first).to_be_disabled()
+    html = _site_modules()[0]
     memory_rows = page.locator(".calc-static").nth(0).locator("tbody tr")
-    expect(memory_rows).to_have_count(8)
+    expect(memory_rows).to_have_count(len(html.MEMORY_ROWS))
     expect(memory_rows.first).to_contain_text("GPT-3 175B as published")
-    expect(page.locator(".calc-static").nth(1).locator("tbody tr")).to_have_count(12)
+    plan_rows = page.locator(".calc-static").nth(1).locator("tbody tr")
+    expect(plan_rows).to_have_count(3 * len(html.web.planner_presets()))
     failed = "console error: Failed to load resource: net::ERR_FAILED"
     assert page.problems.count(failed) == 6  # the six files under _static/calculator/
     others = [p for p in page.problems if "/_static/calculator/" not in p and p != failed]
