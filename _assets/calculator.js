@@ -206,6 +206,14 @@
           if (model) input.value = model[input.name];
         }
         if (model) memoryForm.elements.seq_len.value = model.seq_len;
+        // a model with a published run: its layout as published
+        const layout = presets.layouts[memoryForm.elements.model.value] || {};
+        for (const [name, value] of Object.entries(layout)) {
+          const input = memoryForm.elements[name];
+          if (name === "model" || !input) continue;
+          if (input.type === "checkbox") input.checked = value;
+          else input.value = value;
+        }
       };
       const update = () => drawMemory(out, call("memory", values(memoryForm)), memoryForm.elements.gpu.value);
       memoryForm.addEventListener("input", (e) => {

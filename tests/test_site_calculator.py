@@ -19,15 +19,15 @@ from labsupport.estimate.compute import FITTED
 from labsupport.estimate.planner import stage_params
 from labsupport.estimate.published import PUBLISHED, as_published, check
 from tools import site_calculator
-from tools.site_calculator_html import MEMORY_START, published_inputs
+from tools.site_calculator_html import MEMORY_START
 
-DEEPSEEK = published_inputs("DeepSeek-V3")
+DEEPSEEK = web.published_inputs("DeepSeek-V3")
 # What the page asks, one call each: published layouts (GPT-3; Llama 3's 128K stage with
 # context parallelism; DeepSeek-V3 with expert parallelism), a custom model, the planner on
 # two published runs (DeepSeek-V3's search narrowed), a refusal, and the presets.
 CALLS = [
     ("memory", MEMORY_START),
-    ("memory", published_inputs("Llama 3 405B, 128K")),
+    ("memory", web.published_inputs("Llama 3 405B, 128K")),
     ("memory", DEEPSEEK),
     ("memory", {"model": "custom", "layers": 24, "hidden": 2048, "heads": 16, "vocab": 50257,
                 "seq_len": 4096, "gpu": "H200 SXM", "dp": 4, "tp": 2, "pp": 2, "cp": 1,
@@ -90,7 +90,7 @@ def test_the_page_would_fail_if_a_calculator_imported_torch(tmp_path):
 
 @pytest.mark.parametrize("run", PUBLISHED, ids=lambda r: r["name"])
 def test_memory_per_gpu_is_the_planners_memory_of_a_published_layout(run):
-    shown = web.memory_per_gpu(published_inputs(run["name"]))
+    shown = web.memory_per_gpu(web.published_inputs(run["name"]))
     planned = as_published(run)
     assert shown["total"] == pytest.approx(planned["memory"], rel=1e-12)
     assert shown["fits"] == planned["fits"]
@@ -110,7 +110,7 @@ def test_expert_parallelism_splits_the_routed_experts_only():
 
 
 def test_context_parallelism_divides_the_activations_and_shards_over_dp_times_cp():
-    llama = published_inputs("Llama 3 405B, 128K")  # cp 16 over 131,072 tokens
+    llama = web.published_inputs("Llama 3 405B, 128K")  # cp 16 over 131,072 tokens
     shown = web.memory_per_gpu(llama)
     short = web.memory_per_gpu(llama | {"seq_len": 8192, "cp": 1, "dp": 128})
     assert shown["parts"]["activations"] == pytest.approx(short["parts"]["activations"])

@@ -12,24 +12,9 @@ from pathlib import Path
 
 from labsupport.estimate import web
 
-
-def published_inputs(name: str) -> dict:
-    """The memory form's inputs for the published run ``name`` (:data:`web.PUBLISHED`),
-    its layout as published."""
-    run = next(e for e in web.PUBLISHED if e["name"] == name)
-    lay, model = run["layout"], web.MODELS[run["model"]]
-    gpu = web.CLUSTERS[run["cluster"]].gpu
-    return {"model": run["model"], "seq_len": model.seq_len, "gpu": gpu, "dp": lay.dp,
-            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
-            "recompute": lay.recompute, "micro_batch": lay.micro_batch,
-            "micro_batches": run["global_batch"] // (lay.dp * lay.micro_batch),
-            "chunks": lay.chunks, "sequence_parallel": lay.sequence_parallel,
-            "fused_attention": lay.fused_attention}  # fmt: skip
-
-
 #: The memory calculator's opening state: GPT-3 175B as Narayanan et al. 2021 trained it
 #: (chapter 13's table: 35 GB).
-MEMORY_START = published_inputs("GPT-3 175B")
+MEMORY_START = web.published_inputs("GPT-3 175B")
 #: The static table's rows: the opening state, one axis changed at a time, then others.
 MEMORY_ROWS = [
     ("GPT-3 175B as published", {}),
@@ -40,8 +25,8 @@ MEMORY_ROWS = [
     ("… 8 interleaved chunks", {"chunks": 8}),
     ("… context parallel over 2, selective, FlashAttention",
      {"cp": 2, "recompute": "selective", "fused_attention": True}),
-    ("Llama 3 405B, 128K, as published", published_inputs("Llama 3 405B, 128K")),
-    ("DeepSeek-V3 as published (EP 64)", published_inputs("DeepSeek-V3")),
+    ("Llama 3 405B, 128K, as published", web.published_inputs("Llama 3 405B, 128K")),
+    ("DeepSeek-V3 as published (EP 64)", web.published_inputs("DeepSeek-V3")),
     ("GPT-2 124M on one RTX 4090", {"model": "GPT-2 124M", "seq_len": 1024, "gpu": "RTX 4090",
                                     "dp": 1, "tp": 1, "pp": 1, "zero": 0, "micro_batch": 8,
                                     "micro_batches": 1, "chunks": 1, "recompute": "none"}),

@@ -94,6 +94,20 @@ def _check_axes(model: Transformer, dp: int, tp: int, pp: int, cp: int, ep: int)
         raise ValueError(f"pp must be at most the {model.layers} layers")
 
 
+def published_inputs(name: str) -> dict:
+    """The memory form's inputs for the published run ``name`` (:data:`PUBLISHED`),
+    its layout as published: what the form shows when its model is chosen."""
+    run = next(e for e in PUBLISHED if e["name"] == name)
+    lay, model = run["layout"], MODELS[run["model"]]
+    gpu = CLUSTERS[run["cluster"]].gpu
+    return {"model": run["model"], "seq_len": model.seq_len, "gpu": gpu, "dp": lay.dp,
+            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
+            "recompute": lay.recompute, "micro_batch": lay.micro_batch,
+            "micro_batches": run["global_batch"] // (lay.dp * lay.micro_batch),
+            "chunks": lay.chunks, "sequence_parallel": lay.sequence_parallel,
+            "fused_attention": lay.fused_attention}  # fmt: skip
+
+
 def memory_per_gpu(inputs: dict) -> dict:
     """Bytes per GPU of the heaviest pipeline stage, by part, against ``inputs["gpu"]``.
 
@@ -227,6 +241,7 @@ def _presets() -> dict:
         "clusters": {name: {"gpus": c.gpus, "gpu": c.gpu} for name, c in CLUSTERS.items()},
         "planner_models": list(MODELS),
         "published": planner_presets(),
+        "layouts": {p["model"]: published_inputs(p["name"]) for p in planner_presets()},
         "efficiency": dataclasses.asdict(FITTED),
         "frameworks": {
             name: {k: settings.get(k, DEFAULTS[k][0]) for k in SETTINGS}
