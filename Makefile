@@ -21,7 +21,7 @@ STAMP := $(VENV)/.installed
 LABS := $(wildcard labs/*.ipynb)
 MATHJAX := _build/_vendor/mathjax
 
-.PHONY: book test test-home lint unit nbval nbval-portable browser lab execute figures bench stress lock clean \
+.PHONY: book calculator test test-home lint unit nbval nbval-portable browser lab execute figures bench stress lock clean \
 	gpu-check
 
 $(STAMP): requirements.lock pyproject.toml
@@ -38,7 +38,12 @@ $(MATHJAX): $(STAMP)
 	mkdir -p $(dir $@)
 	rm -rf $@ && cp -r "$$($(PY) -c 'import mathjax, os; print(os.path.dirname(mathjax.__file__))')/static/mathjax/es5" $@
 
-book: $(STAMP) $(MATHJAX)
+# The calculators page: Pyodide (downloaded once, checked against its pinned sha512) and
+# labsupport's calculators, as files the page loads from a folder or a server.
+calculator: $(STAMP)
+	$(PY) -m tools.site_calculator
+
+book: $(STAMP) $(MATHJAX) calculator
 	$(VENV)/bin/jupyter-book build . --warningiserror --nitpick --keep-going
 
 # What the tests create stays under _build/test, nothing in folders other programs on

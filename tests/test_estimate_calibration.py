@@ -233,20 +233,26 @@ def test_the_calculators_constants_are_the_models_and_need_no_torch():
     import sys
 
     from labsupport.estimate import memory
-    from labsupport.models.gpt import RECOMPUTE
-    from labsupport.models.mlp import BLOCK_UNITS
+    from labsupport.models import gpt, recompute
 
-    assert memory.RECOMPUTE == RECOMPUTE and memory.BLOCK_UNITS == BLOCK_UNITS
-    # the planner's modules import neither PyTorch, NumPy nor the models
+    # one home for the constants, shared by the models and the calculators
+    assert memory.RECOMPUTE is recompute.RECOMPUTE is gpt.RECOMPUTE
+    assert memory.BLOCK_UNITS is recompute.BLOCK_UNITS
+    # the planner's modules import neither PyTorch, NumPy nor a model, only the models'
+    # torch-free constants; the __init__ files that import torch are left out (as on the
+    # website, tests/test_site_calculator.py)
     package = str(Path(memory.__file__).resolve().parents[1])
     code = (
-        "import sys, types; sys.modules['labsupport'] = types.ModuleType('labsupport'); "
-        f"sys.modules['labsupport'].__path__ = [{package!r}]; "
-        "import labsupport.estimate.calibration, labsupport.estimate.published; "
-        "print(sorted(m for m in ('torch', 'numpy', 'labsupport.models') if m in sys.modules))"
+        "import sys, types\n"
+        "for name, sub in (('labsupport', ''), ('labsupport.models', '/models')):\n"
+        "    sys.modules[name] = types.ModuleType(name)\n"
+        f"    sys.modules[name].__path__ = [{package!r} + sub]\n"
+        "import labsupport.estimate.calibration, labsupport.estimate.published\n"
+        "print(sorted(m for m in sys.modules\n"
+        "             if m in ('torch', 'numpy') or m.startswith('labsupport.models.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == "['labsupport.models.recompute']"
 
 
 @pytest.mark.parametrize(("n", "stride"), [(1, 1), (2, 1), (8, 1), (3, 8), (16, 8)])

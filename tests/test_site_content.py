@@ -19,7 +19,8 @@ MYST = create_md_parser(
     MdParserConfig(enable_extensions=set(CONFIG["parse"]["myst_enable_extensions"])), RendererHTML
 )
 PAGES = sorted(ROOT.glob("chapters/*.md")) + [
-    ROOT / name for name in ("intro.md", "glossary.md", "setup.md", "references.md")
+    ROOT / name
+    for name in ("intro.md", "glossary.md", "setup.md", "references.md", "calculators.md")
 ]
 LABS = sorted(ROOT.glob("labs/*.ipynb"))
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
+try:
+    import numpy as np
+except ModuleNotFoundError:  # the website's Pyodide has no numpy: plain numbers only
+    np = None
 
 
 def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
@@ -49,10 +52,14 @@ def all_reduce_time(algorithm: str, world_size: int, nbytes, alpha: float, beta:
     ps (sharded parameter server): each rank pushes and pulls N-1 shards of S/N.
     naive: rank 0 receives N-1 whole tensors, then sends N-1 back, one at a time.
     tree: binomial reduce then broadcast, 2 ceil(log2 N) steps of the whole tensor.
+
+    ``nbytes`` may be an array (a curve); without numpy (the website's calculators, in
+    Pyodide) it must be a number, and so is the result.
     """
-    n, s = world_size, np.asarray(nbytes, dtype=float)
+    n = world_size
+    s = float(nbytes) if np is None else np.asarray(nbytes, dtype=float)
     if n == 1:
-        return np.zeros_like(s)
+        return 0.0 if np is None else np.zeros_like(s)
     log_n = math.ceil(math.log2(n))
     if algorithm in ("ring", "ps"):
         return 2 * (n - 1) * alpha + 2 * (n - 1) / n * s * beta

@@ -12,7 +12,7 @@ against these.
 from __future__ import annotations
 
 from labsupport.estimate.datasheets import ASSUMED_MFU
-from labsupport.estimate.memory import RECOMPUTE
+from labsupport.models.recompute import RECOMPUTE
 
 SECONDS_PER_DAY = 86_400
 FORWARD_FLOPS_PER_PARAM = 2  # one multiply and one add per weight and token

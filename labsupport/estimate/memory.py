@@ -16,13 +16,7 @@ from __future__ import annotations
 
 import math
 
-RECOMPUTE = ("none", "selective", "full")
-"""Recomputation policies, :data:`labsupport.models.gpt.RECOMPUTE`'s (a test checks they
-agree): the calculators import no model, so that they run without PyTorch (in a browser)."""
-
-BLOCK_UNITS = 9
-"""Activation elements a residual MLP block keeps, in units of ``b·d``:
-:data:`labsupport.models.mlp.BLOCK_UNITS` (a test checks they agree)."""
+from labsupport.models.recompute import BLOCK_UNITS, RECOMPUTE
 
 BYTES_PER_PARAM = {
     # ZeRO (Rajbhandari et al. 2020), section 3.1: fp16 weights and gradients, and an fp32

@@ -62,20 +62,21 @@ def in_flight(pp: int, m: int, v: int) -> float:
     return min(2 * (pp - 1) + (v - 1) * pp + 1, m * v) / v
 
 
-def _states(params: dict, layout: Layout) -> float:
-    """Model-state bytes: dense parameters over ``tp``, ZeRO over the ``dp·cp`` ranks that
-    hold the same ones; routed experts over ``ep``, ZeRO over the ``dp·cp/ep`` replicas."""
+def state_parts(params: dict, layout: Layout) -> dict:
+    """Model-state bytes by part (:func:`~labsupport.estimate.memory.training_memory`'s):
+    dense parameters over ``tp``, ZeRO over the ``dp·cp`` ranks that hold the same ones;
+    routed experts over ``ep``, ZeRO over the ``dp·cp/ep`` replicas."""
     replicas = layout.dp * layout.cp
     dense = training_memory(params["dense"] / layout.tp, "mixed", layout.zero, replicas)
     experts = training_memory(
         params["experts"] / layout.ep, "mixed", layout.zero, replicas // layout.ep
     )
-    return sum(dense.values()) + sum(experts.values())
+    return {part: dense[part] + experts[part] for part in dense}
 
 
-def memory(model: Transformer, layout: Layout, global_batch: int) -> dict:
-    """Bytes per GPU of the heaviest pipeline stage (the first, or for an MoE model
-    possibly the second, whose layers all hold experts): ``states`` and ``activations``."""
+def stage_memory(model: Transformer, layout: Layout, global_batch: int, stage: int = 0) -> dict:
+    """Bytes per GPU of pipeline ``stage``: its model states by part (:func:`state_parts`)
+    and ``activations``, those of the micro-batches it holds at once."""
     t, sp, b = layout.tp, layout.sequence_parallel, layout.micro_batch
     tokens = b * model.seq_len / layout.cp
     m = global_batch // (layout.dp * b)
@@ -84,22 +85,33 @@ def memory(model: Transformer, layout: Layout, global_batch: int) -> dict:
         kept = model.activation_bytes(policy, t, sp, layout.fused_attention, moe)
         return kept * tokens
 
+    dense, moe = _stage_split(model, layout.pp, stage)
+    if layout.pp == 1:
+        dense, moe = model.layers - model.moe_layers, model.moe_layers
+    parts = state_parts(stage_params(model, layout.pp, stage), layout)
+    if layout.recompute == "full":  # each layer's input, and one layer rerun at a time
+        kept = (dense + moe) * per_layer("full", False)
+        working = per_layer("selective", moe > 0)
+    else:
+        kept = dense * per_layer(layout.recompute, False)
+        kept += moe * per_layer(layout.recompute, True)
+        working = 0
+    flight = in_flight(layout.pp - stage, m, layout.chunks)
+    return parts | {"activations": flight * kept + working}
+
+
+def heaviest_stage(model: Transformer, layout: Layout, global_batch: int) -> tuple:
+    """The pipeline stage that holds the most bytes per GPU, and its
+    :func:`stage_memory`: the first, or for an MoE model possibly the second, whose
+    layers all hold experts."""
     stages = [0] if layout.pp == 1 or not model.n_expert else [0, 1]
-    worst = None
-    for stage in stages:
-        dense, moe = _stage_split(model, layout.pp, stage)
-        if layout.pp == 1:
-            dense, moe = model.layers - model.moe_layers, model.moe_layers
-        states = _states(stage_params(model, layout.pp, stage), layout)
-        if layout.recompute == "full":  # each layer's input, and one layer rerun at a time
-            kept = (dense + moe) * per_layer("full", False)
-            working = per_layer("selective", moe > 0)
-        else:
-            kept = dense * per_layer(layout.recompute, False)
-            kept += moe * per_layer(layout.recompute, True)
-            working = 0
-        flight = in_flight(layout.pp - stage, m, layout.chunks)
-        found = {"states": states, "activations": flight * kept + working}
-        if worst is None or sum(found.values()) > sum(worst.values()):
-            worst = found
-    return worst
+    found = [(s, stage_memory(model, layout, global_batch, s)) for s in stages]
+    return max(found, key=lambda f: sum(f[1].values()))
+
+
+def memory(model: Transformer, layout: Layout, global_batch: int) -> dict:
+    """Bytes per GPU of the heaviest pipeline stage (:func:`heaviest_stage`): ``states``
+    and ``activations``."""
+    parts = dict(heaviest_stage(model, layout, global_batch)[1])
+    activations = parts.pop("activations")
+    return {"states": sum(parts.values()), "activations": activations}

@@ -9,7 +9,9 @@
   is checked against;
 * :mod:`~labsupport.models.moe`: a mixture-of-experts FFN (router, experts, balancing).
 * :mod:`~labsupport.models.fp8`: FP8 quantization (per tensor, per block, delayed) and the
-  scaled matmul a linear layer trained in FP8 computes.
+  scaled matmul a linear layer trained in FP8 computes;
+* :mod:`~labsupport.models.recompute`: the recomputation policies and checkpointing's
+  unit, as constants without torch (for the calculators).
 """
 
 from labsupport.models.cnn import SmallCNN

@@ -46,9 +46,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from labsupport.models.moe import MoE, MoEConfig
+from labsupport.models.recompute import RECOMPUTE
 
 ATTENTION = ("sdpa", "math")
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)

@@ -42,10 +42,6 @@ class ResidualBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(x)))
 
 
-#: Activation elements a :class:`ResidualBlock` keeps for backward, in units of ``b·d``.
-BLOCK_UNITS = 9
-
-
 class MLPStack(nn.Module):
     """``layers`` residual blocks of width ``d``; weights drawn from ``seed``."""
 

@@ -359,3 +359,244 @@ def test_figures_are_shown_as_wide_as_tools_figures_assumes(page, site_url):
         code = page.locator("main code.literal").first
         assert code.evaluate("c => getComputedStyle(c).fontSize") == f"{SMALL_PRINT_PX}px"
     assert widths["11-schedules.png"] == PAGE_PX
+
+
+# ---------------------------------------------------------------------- the calculators
+# calculators.md runs labsupport.estimate in the page (Pyodide). Python starts in 4-7 s in
+# headless Chromium on this project's 2-core machine under a load of 5, in 21-29 s under the
+# heaviest load seen (2.6 s of the page's main thread); a start that takes longer than this
+# has failed.
+STARTUP_MS = 180_000
+
+
+def calculator_started(page):
+    page.wait_for_function("document.documentElement.dataset.calculator", timeout=STARTUP_MS)
+    status = page.locator("#calc-memory .calc-status").inner_text()
+    assert page.evaluate("document.documentElement.dataset.calculator") == "ready", status
+    assert status.startswith("Live: computed in this page by labsupport.estimate"), status
+
+
+def set_inputs(page, form: str, inputs: dict):
+    """Set a form's fields as a reader does (the model first: a preset fills the sizes)."""
+    for name in sorted(inputs, key=lambda n: n != "model"):
+        field = page.locator(f"#{form} [name='{name}']")
+        value = inputs[name]
+        if isinstance(value, bool):
+            field.set_checked(value)
+        elif field.evaluate("e => e.tagName") == "SELECT":
+            field.select_option(str(value))
+        else:
+            field.fill(str(value))
+
+
+def shown(page, out: str) -> dict:
+    cells = page.locator(f"#{out} td[data-part]")
+    return {
+        cells.nth(i).get_attribute("data-part"): float(cells.nth(i).inner_text())
+        for i in range(cells.count())
+    }
+
+
+def _site_modules():
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    import tools.site_calculator_html as html
+    from labsupport.estimate import planner, published, stages
+
+    return html, planner, published, stages
+
+
+def memory_cases() -> dict:
+    """Five cases of the memory form: three published layouts (GPT-3; Llama 3's 128K stage,
+    context parallel; DeepSeek-V3, expert parallel), a custom model, GPT-2 on one GPU."""
+    html = _site_modules()[0]
+    rest = {"cp": 1, "ep": 1, "fused_attention": False}
+    return {
+        "GPT-3 as published": html.web.published_inputs("GPT-3 175B"),
+        "Llama 3 405B 128K as published": html.web.published_inputs("Llama 3 405B, 128K"),
+        "DeepSeek-V3 as published": html.web.published_inputs("DeepSeek-V3"),
+        "custom 1.3B, ZeRO-3": {
+            "model": "custom", "layers": 24, "hidden": 2048, "heads": 16, "vocab": 50257,
+            "seq_len": 4096, "gpu": "H200 SXM", "dp": 4, "tp": 2, "pp": 2, "zero": 3,
+            "recompute": "none", "micro_batch": 2, "micro_batches": 4, "chunks": 1,
+            "sequence_parallel": True,
+        } | rest,
+        "GPT-2 on one RTX 4090": {
+            "model": "GPT-2 124M", "seq_len": 1024, "gpu": "RTX 4090", "dp": 1, "tp": 1,
+            "pp": 1, "zero": 0, "recompute": "none", "micro_batch": 8, "micro_batches": 1,
+            "chunks": 1, "sequence_parallel": False,
+        } | rest,
+    }  # fmt: skip
+
+
+def expected_memory(inputs: dict) -> dict:
+    """GB per part of the heaviest stage, from the planner's functions called here in
+    CPython (with torch): the model and the layout built here, not by the page's adapter."""
+    import dataclasses
+
+    _, planner, published, stages = _site_modules()
+    i = inputs
+    if i["model"] == "custom":
+        model = planner.Transformer("custom", i["layers"], i["hidden"], i["heads"], 1, i["vocab"])
+    elif i["model"] == "GPT-2 124M":
+        model = planner.Transformer("GPT-2 124M", 12, 768, 12, 1024, 50257)
+    else:
+        model = published.MODELS[i["model"]]
+    model = dataclasses.replace(model, seq_len=i["seq_len"])
+    layout = planner.Layout(
+        i["dp"], i["tp"], i["pp"], zero=i["zero"], micro_batch=i["micro_batch"],
+        chunks=i["chunks"], recompute=i["recompute"], cp=i["cp"], ep=i["ep"],
+        sequence_parallel=i["sequence_parallel"] and i["tp"] > 1,
+        fused_attention=i["fused_attention"],
+    )  # fmt: skip
+    batch = i["dp"] * i["micro_batch"] * i["micro_batches"]
+    parts = dict(stages.heaviest_stage(model, layout, batch)[1])
+    parts["total"] = sum(parts.values())
+    return {part: value / 1e9 for part, value in parts.items()}
+
+
+def test_the_calculators_compute_in_the_page_opened_from_a_folder(browser):
+    """file://, where Chromium allows no fetch(): five cases of memory per GPU and the
+    planner's rankings, against the same functions in CPython."""
+
+    html, planner, published, _ = _site_modules()
+    runs = {e["name"]: e for e in published.PUBLISHED}
+
+    page = open_page(browser)
+    page.goto((SITE / "calculators.html").as_uri())
+    calculator_started(page)
+    cases = memory_cases()
+    for name, inputs in cases.items():
+        before = page.locator("#calc-memory-out").inner_text()
+        set_inputs(page, "calc-memory-form", inputs)
+        expect(page.locator("#calc-memory-out")).not_to_have_text(before)
+        got, want = shown(page, "calc-memory-out"), expected_memory(inputs)
+        assert got == pytest.approx(want, abs=0.0051), name
+    # A model with a published run: choosing it fills its layout as published.
+    for name in ("GPT-3 175B", "Llama 3 405B, 128K", "DeepSeek-V3"):
+        page.locator("#calc-memory-form [name=model]").select_option(name)
+        lay = runs[name]["layout"]
+        for axis in ("dp", "tp", "pp", "cp", "ep", "chunks"):
+            field = page.locator(f"#calc-memory-form [name={axis}]")
+            expect(field).to_have_value(str(getattr(lay, axis)))
+        fits = published.as_published(runs[name])
+        assert shown(page, "calc-memory-out")["total"] == pytest.approx(
+            fits["memory"] / 1e9, abs=0.0051
+        )
+        verdict = page.locator("#calc-memory-out .calc-verdict")
+        expect(verdict).to_have_attribute("data-fits", str(fits["fits"]).lower())
+
+    # The planner opens on GPT-3 on Selene, its framework's settings as published: its ten
+    # first meshes as check() ranks them.
+    rows = page.locator("#calc-plan-out tbody tr[data-row]")
+    expect(rows).to_have_count(10)
+    want = published.check(runs["GPT-3 175B"])["meshes"][:10]
+    expect_rows(rows, want, html.axes_text)
+    rows.nth(2).locator("button").click()
+    expect(page.locator("#calc-plan-out h4")).to_have_text("Layout 3: where the step goes")
+    parts, chosen = shown(page, "calc-plan-out"), want[2]
+    seconds = {k: parts.pop(k) for k in chosen["parts"]}
+    assert seconds == pytest.approx(chosen["parts"], abs=0.00051)
+    states, activations = chosen["states"], chosen["memory"] - chosen["states"]
+    want_gb = {"states": states / 1e9, "activations": activations / 1e9}
+    assert parts == pytest.approx(want_gb, abs=0.0051)
+    note = page.locator("#calc-plan-out .calc-note")
+    expect(note).to_contain_text("GEMMs at 64.1 % of the dense peak")
+
+    # Overlapping the data-parallel reduction: the ranking plan() gives with it.
+    gpt3 = runs["GPT-3 175B"]
+    same = ("cp", "a2a_overlap", "fused_attention", "fp8", "sequence_parallel")
+    settings = {k: (getattr(gpt3["layout"], k),) for k in same} | {"dp_overlap": (True,)}
+    model, cluster = published.MODELS[gpt3["model"]], published.CLUSTERS[gpt3["cluster"]]
+    overlapped = planner.best_per_mesh(planner.plan(model, cluster, 1536, **settings))[:10]
+    page.locator("#calc-plan-form [name=dp_overlap]").set_checked(True)
+    expect_rows(rows, overlapped, html.axes_text)
+
+    # Published runs: the preset fills their batch and settings; their rank as check() says.
+    for name, axes in [("Llama 3 405B, 128K", "8×8×16, CP 16"), ("DeepSeek-V3", "128×1×16, EP 64")]:
+        run = runs[name]
+        set_inputs(page, "calc-plan-form", {"model": run["model"], "cluster": run["cluster"]})
+        batch = page.locator("#calc-plan-form [name=global_batch]")
+        expect(batch).to_have_value(str(run["global_batch"]))
+        rank = published.check(run)["rank"]
+        expect(note).to_contain_text(f"The published mesh {axes} ranks {rank}.")
+    expect(note).to_contain_text("For this model the page searches only tp 1")
+    assert page.problems == [], "\n".join(page.problems)
+    page.context.close()
+
+
+def expect_rows(rows, want, axes_text):
+    """The page's ranked rows are ``want``'s (results of the planner), in order."""
+    expect(rows.first.locator("[data-key=mesh]")).to_have_text(axes_text(want[0]["layout"].axes))
+    for i, result in enumerate(want):
+        row = rows.nth(i)
+        assert row.locator("[data-key=mesh]").inner_text() == axes_text(result["layout"].axes)
+        assert float(row.locator("[data-key=memory]").inner_text()) == pytest.approx(
+            result["memory"] / 1e9, abs=0.0051
+        )
+        assert float(row.locator("[data-key=step_s]").inner_text()) == pytest.approx(
+            result["step_s"], abs=0.0051
+        )
+        assert float(row.locator("[data-key=tflops]").inner_text()) == pytest.approx(
+            result["tflops"], abs=0.051
+        )
+
+
+# Every text the memory calculator's status line shows, in order.
+STATUS_HISTORY = """document.addEventListener("DOMContentLoaded", () => {
+  const status = document.querySelector("#calc-memory .calc-status");
+  window.statusHistory = [status.textContent];
+  new MutationObserver(() => window.statusHistory.push(status.textContent))
+    .observe(status, {childList: true, characterData: true, subtree: true});
+});"""
+
+
+def test_the_calculators_work_from_the_keyboard_on_a_phone(phone, site_url):
+    phone.add_init_script(STATUS_HISTORY)
+    phone.goto(f"{site_url}/calculators.html")
+    calculator_started(phone)
+    history = phone.evaluate("window.statusHistory")
+    assert history[1].startswith("Loading the calculator"), history  # while Python starts
+    phone.locator("#calc-memory-form [name=model]").focus()
+    reached = []
+    for _ in range(20):
+        reached.append(phone.evaluate("document.activeElement.name"))
+        phone.keyboard.press("Tab")
+    fields = {"model", "seq_len", "gpu", "dp", "tp", "pp", "cp", "ep", "zero", "recompute",
+              "micro_batch", "micro_batches", "chunks", "sequence_parallel",
+              "fused_attention"}  # fmt: skip
+    assert fields <= set(reached), f"the Tab key never reaches {fields - set(reached)}"
+    total = phone.locator("#calc-memory-out td[data-part=total]")
+    before = float(total.inner_text())
+    phone.locator("#calc-memory-form [name=zero]").focus()
+    phone.keyboard.press("ArrowDown")  # ZeRO-0 to ZeRO-1: the optimizer states are sharded
+    assert float(total.inner_text()) < before
+    phone.locator("#calc-plan-out tr[data-row='1'] button").focus()
+    phone.keyboard.press("Enter")
+    expect(phone.locator("#calc-plan-out h4")).to_have_text("Layout 2: where the step goes")
+    assert phone.evaluate("document.documentElement.scrollWidth") <= PHONE["viewport"]["width"]
+    calculators = WIDER_THAN_THE_PAGE.replace('"main *"', '"main .calc *, main .calc-static *"')
+    assert phone.evaluate(calculators) == []
+    assert phone.problems == [], "\n".join(phone.problems)
+
+
+def test_without_python_the_calculators_page_says_why_and_shows_its_tables(page, site_url):
+    page.route("**/_static/calculator/**", lambda route: route.abort())
+    page.goto(f"{site_url}/calculators.html", wait_until="networkidle")
+    page.wait_for_function("document.documentElement.dataset.calculator", timeout=30_000)
+    for panel in ("#calc-memory", "#calc-plan"):
+        expect(page.locator(f"{panel} .calc-status")).to_contain_text(
+            "The calculator is off: the page could not load Python (Pyodide)"
+        )
+        expect(page.locator(f"{panel} select").first).to_be_disabled()
+    html = _site_modules()[0]
+    memory_rows = page.locator(".calc-static").nth(0).locator("tbody tr")
+    expect(memory_rows).to_have_count(len(html.MEMORY_ROWS))
+    expect(memory_rows.first).to_contain_text("GPT-3 175B as published")
+    plan_rows = page.locator(".calc-static").nth(1).locator("tbody tr")
+    expect(plan_rows).to_have_count(3 * len(html.web.planner_presets()))
+    failed = "console error: Failed to load resource: net::ERR_FAILED"
+    assert page.problems.count(failed) == 6  # the six files under _static/calculator/
+    others = [p for p in page.problems if "/_static/calculator/" not in p and p != failed]
+    assert others == [], "\n".join(others)
