@@ -66,8 +66,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check labsupport tests bench tools labs
 	$(VENV)/bin/ruff format --check labsupport tests bench tools labs
 
+# Two workers, a test file each at a time: the exercises' checkers spend much of their
+# tests waiting (for a rank that must time out, for a launch), which the other file fills.
 unit: test-home $(STAMP)
-	$(PY) -m pytest tests --ignore=tests/browser -q
+	$(PY) -m pytest tests --ignore=tests/browser -q -n 2 --dist loadfile
 
 # $(call nbval_run,PREFIX): nbval on every lab, the command prefixed (environment, load).
 nbval_run = cd labs && $(1) ../$(PY) -m pytest --nbval $(notdir $(LABS)) \
