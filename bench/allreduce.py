@@ -60,15 +60,7 @@ def summarise(times: dict, nbytes: int = NBYTES, world: int = WORLD) -> list[dic
         busbw = float(bus_bandwidth(nbytes, median, world)) / 1e9
         vs = None if name == "torch" else ("torch", report.paired(times[name], times["torch"]))
         lines.append(
-            report.line(
-                label,
-                median,
-                "s",
-                of_floor=report.paired(times[name], floor),
-                floor=described,
-                vs=vs,
-                detail=f"{busbw:.2f} GB/s bus",
-            )
+            report.timed(label, times[name], floor, described, vs, f"{busbw:.2f} GB/s bus")
         )
     return lines
 

@@ -93,18 +93,9 @@ def summarise(out: dict) -> list[dict]:
     lines = []
     for name, label in (("torch", "torch.nn.parallel.DistributedDataParallel"),
                         ("ours", "labsupport DistributedDataParallel")):  # fmt: skip
-        median = statistics.median(out[name])
-        lines.append(
-            report.line(
-                label,
-                median,
-                "s",
-                of_floor=report.paired(out[name], floor),
-                floor=described,
-                vs=None if name == "torch" else ("torch", throughput(out)),
-                detail=f"{tokens / median:,.0f} tokens/s",
-            )
-        )
+        vs = None if name == "torch" else ("torch", throughput(out))
+        detail = f"{tokens / statistics.median(out[name]):,.0f} tokens/s"
+        lines.append(report.timed(label, out[name], floor, described, vs, detail))
     return lines
 
 

@@ -1,18 +1,22 @@
-"""An MoE layer under expert parallelism on 4 ranks against the same layer in one process,
-and the bytes each rank sends against the formula (issue 22's target: exact).
+"""An MoE layer under expert parallelism on 4 ranks against the same ranks' compute with no
+all-to-all and against the same layer in one process, and the bytes each rank sends
+against the formula (issue 22's target: exact).
 
 The layer: width 256, 8 experts (4x-wide GELU FFNs), top-2, dropless; each of the 4 ranks
-routes its own 512 tokens. One training step is its forward and backward pass; each rank
-times STEPS steps after a warm-up, from a barrier to the slowest rank's end. The single
-process (a launch of one rank, under the same settings) runs the 2,048 tokens of all four
-ranks, rank by rank, through the whole layer. The two alternate, round after round; the
-ratio is the median of the rounds' pairs. Every process computes with one thread
+routes its own 512 tokens. One training step is its forward and backward pass, timed after
+a warm-up from a barrier to the slowest rank's end. In one launch of 4 ranks, in turns,
+REPEATS steps each: the step, and its floor, :class:`LocalExperts`, each rank's share of
+the compute with the all-to-alls taken away (its routing, its local experts on as many
+rows as the real routing sends them, the gates and the combine, what would arrive made of
+its own rows). Load on the machine lands on both alike, so the step over its floor, the
+median of the pairs, is at least 1 but for noise at any load, and what it has above 1 is
+the all-to-alls and the waiting for them. That launch alternates, ROUNDS rounds, with a
+launch of one process (under the same settings) that runs the 2,048 tokens of all four
+ranks, rank by rank, through the whole layer, REPEATS times; the ratio to it is the median
+of the pairs of the two launches' median times. Every process computes with one thread
 (``LABSUPPORT_THREADS=1``): on a busy 2-core machine, two threads per process made the
 single process's small matrix products 20 times slower. The 4 ranks share the cores and
-every token crosses loopback; the ratio is reported, with no target. The floor of the
-step: the one process's work spread without loss over the cores the 4 ranks can use
-(:func:`bench.floors.shared_cores_floor_seconds`; on a machine others load, the ranks,
-being more processes, get a larger share of its cores and can pass it). The bytes are
+every token crosses loopback; the ratios are reported, with no target. The bytes are
 counted by ``comm.traced`` in one step and held against their floor,
 ``estimate.moe.all_to_all_bytes`` of the step's routing plus the count exchange.
 """
@@ -21,15 +25,15 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-from bench import floors, report
+from bench import report
+from labsupport.models.moe import MoE, dispatch_plan, inverse_permutation
 
 WIDTH, EXPERTS, TOP_K, TOKENS, WORLD = 256, 8, 2, 512, 4
-STEPS, ROUNDS = 5, 5
+REPEATS, ROUNDS = 6, 5
 
 
 def tokens(rank: int) -> torch.Tensor:
@@ -40,7 +44,7 @@ def tokens(rank: int) -> torch.Tensor:
 
 
 def layer():
-    from labsupport.models import MoE, MoEConfig
+    from labsupport.models import MoEConfig
 
     torch.manual_seed(0)
     return MoE(WIDTH, MoEConfig(EXPERTS, TOP_K))
@@ -51,9 +55,55 @@ def step(model, batches) -> None:
         model(x).square().mean().backward()
 
 
-def timed(kind: str) -> dict | None:
-    """Seconds per step (rank 0), and for expert parallelism the bytes each rank sent in
-    one step and what the formula gives for that step's routing."""
+def arrivals(router, batches: list, rank: int) -> torch.Tensor:
+    """``(ep, E/ep)``: the rows each local expert of rank ``rank`` gets from each rank of
+    ``len(batches)``, rank ``s`` routing ``batches[s]`` with ``router`` (what
+    :func:`labsupport.parallel.expert_parallel.exchange_counts` tells rank ``rank``)."""
+    with torch.no_grad():
+        counts = torch.stack([router(x).tokens_per_expert for x in batches])
+    local = counts.shape[1] // len(batches)
+    return counts[:, rank * local : (rank + 1) * local]
+
+
+def arrive(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """An all-to-all's stand-in: ``n`` rows made of ``rows``, cycled (rows like those the
+    other ranks would send), differentiable; a gather forward and its scatter backward
+    stand for the bytes that would land in memory."""
+    return rows[torch.arange(n, device=rows.device) % len(rows)]
+
+
+class LocalExperts(MoE):
+    """Rank ``rank``'s share of an expert-parallel step of ``moe`` with no all-to-all: the
+    routing of its own tokens, :class:`~labsupport.parallel.expert_parallel.
+    ExpertParallelMoE`'s plan and regrouping, its ``E/ep`` experts each on as many rows
+    as ``received`` (``(ep, E/ep)``, :func:`arrivals`) says the ranks send it, the gates
+    and the combine; where rows would arrive, :func:`arrive` makes them."""
+
+    def __init__(self, moe: MoE, rank: int, received: torch.Tensor):
+        torch.nn.Module.__init__(self)
+        ep, local = received.shape
+        self.config, self.received, self.ep = moe.config, received, ep
+        self.router, self.shared_expert = moe.router, moe.shared_expert
+        self.experts = torch.nn.ModuleList(list(moe.experts)[rank * local : (rank + 1) * local])
+        self.routing = self.aux_loss = None
+
+    def plan(self, experts: torch.Tensor):
+        return dispatch_plan(experts, self.config.n_expert, self.ep)
+
+    def run_experts(self, rows, experts, splits):
+        from labsupport.parallel.expert_parallel import expert_major
+
+        order = expert_major(self.received)
+        x = arrive(rows, int(self.received.sum()))[order]
+        chunks = x.split(self.received.sum(0).tolist())
+        y = torch.cat([e(c) for e, c in zip(self.experts, chunks, strict=True)])
+        return arrive(y[inverse_permutation(order)], len(rows))
+
+
+def timed(kind: str) -> dict:
+    """REPEATS steps' seconds (``"step"``; for expert parallelism also its floor's,
+    ``"floor"``, in turns), and for expert parallelism the bytes this rank sent in one
+    step and what the formula gives for that step's routing."""
     from labsupport.comm import traced
     from labsupport.estimate.moe import all_to_all_bytes
     from labsupport.launch.runtime import device
@@ -67,8 +117,14 @@ def timed(kind: str) -> dict | None:
         model, batches = layer(), [tokens(r) for r in range(WORLD)]
     with traced.trace_collectives() as trace:
         step(model, batches)  # warm-up, and the bytes of one step
-    out = {}
+    models, out = {"step": model}, {}
     if kind == "ep":
+        everyone = [tokens(r).to(device()) for r in range(WORLD)]
+        local = LocalExperts(layer().to(device()), rank, arrivals(model.router, everyone, rank))
+        if not torch.equal(local.received, model.received):
+            raise RuntimeError("the floor's rows per expert are not the routing's")
+        step(local, batches)  # its warm-up
+        models["floor"] = local
         sent = torch.bincount(model.routing.experts.flatten(), minlength=EXPERTS)
         rows_to = [None] * WORLD
         dist.all_gather_object(rows_to, sent.view(WORLD, -1).sum(1).tolist())
@@ -77,34 +133,19 @@ def timed(kind: str) -> dict | None:
             "bytes": xp.all_to_all_bytes(trace),
             "formula": all_to_all_bytes(rows_to, WIDTH)[rank] + counts,
         }
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        step(model, batches)
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return out | {"step": elapsed.item() / STEPS, "threads": torch.get_num_threads()}
+    runs = {name: report.slowest(lambda m=m: step(m, batches)) for name, m in models.items()}
+    return out | report.in_turns(runs, REPEATS)
 
 
-def summarise(ep: list, single: list, bytes_rows: list, cores: int) -> list[dict]:
-    """The bench's lines from the rounds' results and one round's bytes per rank."""
-    ep_s, single_s = [r["step"] for r in ep], [r["step"] for r in single]
-    floor = [
-        floors.shared_cores_floor_seconds(s["step"], s["threads"], WORLD, e["threads"], cores)
-        for e, s in zip(ep, single, strict=True)
-    ]
+def summarise(ep: list, single: list, bytes_rows: list) -> list[dict]:
+    """The bench's lines from the rounds' launches' results and one round's bytes per rank."""
+    names = ("one process, every expert", f"EP {WORLD}, {EXPERTS // WORLD} experts per rank")
+    floor = (
+        "each rank's share of the compute with no all-to-all (its routing, its experts on "
+        "as many rows as the routing sends them, the combine), timed in turns with the step"
+    )
     return [
-        report.line("one process, every expert", statistics.median(single_s), "s"),
-        report.line(
-            f"EP {WORLD}, {EXPERTS // WORLD} experts per rank",
-            statistics.median(ep_s),
-            "s",
-            of_floor=report.paired(ep_s, floor),
-            floor=f"the one process's time, its threads spread over the {cores} cores "
-            f"{WORLD} ranks of {ep[0]['threads']} thread(s) can use; median "
-            f"{statistics.median(floor) * 1e3:.1f} ms",
-            vs=("one process", report.paired(ep_s, single_s)),
-        ),
+        *report.against_floor(names, ep, [r["step"] for r in single], floor),
         report.line(
             "EP, bytes each rank sent in one step (all-to-alls)",
             statistics.median(r["bytes"] for r in bytes_rows),
@@ -121,7 +162,6 @@ def main() -> int:
     import os
 
     from labsupport import launch
-    from labsupport.measure.probe import usable_cores
 
     os.environ["LABSUPPORT_THREADS"] = "1"  # every process one thread (see above)
     bytes_rows = []
@@ -135,9 +175,11 @@ def main() -> int:
     rounds = report.in_turns(runs, ROUNDS)
     print(
         f"\nan MoE layer (width {WIDTH}, {EXPERTS} experts, top-{TOP_K}, dropless), "
-        f"{WORLD} x {TOKENS} tokens, forward and backward, {ROUNDS} rounds in turns"
+        f"{WORLD} x {TOKENS} tokens, forward and backward; {ROUNDS} rounds of a launch of "
+        f"{WORLD} ranks (the step and its floor in turns, {REPEATS} steps each) and one of one "
+        f"process ({REPEATS} steps)"
     )
-    lines = summarise(rounds["ep"], rounds["single"], bytes_rows, usable_cores())
+    lines = summarise(rounds["ep"], rounds["single"], bytes_rows)
     report.print_lines(lines, "x one process")
     print(f"(time reported, no target: {WORLD} ranks share this machine's cores)")
     print(f"{'rank':>4s} {'bytes sent':>12s} {'formula':>12s}")
@@ -146,7 +188,7 @@ def main() -> int:
     exact = all(r["bytes"] == r["formula"] for r in bytes_rows)
     targets = [report.target("bytes per rank exactly the formula", f"{exact}", exact)]
     config = {"width": WIDTH, "experts": EXPERTS, "top_k": TOP_K, "tokens": TOKENS,
-              "world": WORLD, "steps": STEPS, "rounds": ROUNDS}  # fmt: skip
+              "world": WORLD, "repeats": REPEATS, "rounds": ROUNDS}  # fmt: skip
     return report.record("expert_parallel", config, lines, targets)
 
 

@@ -11,8 +11,14 @@ from what the same run measured. Pure functions; :mod:`bench.report` prints them
 * a pipeline: lab 11's model, the schedule played by
   :func:`labsupport.parallel.simulator.simulate` with each stage's measured forward and
   backward times and free messages;
-* ranks sharing one machine's cores, against one process: that process's work spread
-  without loss over the cores the ranks can use (:func:`shared_cores_floor_seconds`);
+* ranks that compute and communicate (context and expert parallelism): the same ranks
+  computing their own shares with the messages taken away, timed in turns with the step
+  in the same launch (:func:`bench.context_parallel.local_ring`,
+  :class:`bench.expert_parallel.LocalExperts`, paired by
+  :func:`bench.report.against_floor`). Load on the machine lands on both alike, so no
+  load lets the step beat it, as it could beat one process's time spread over the
+  ranks' cores: a busy machine gives several processes a larger share of its cores than
+  one;
 * ZeRO's traffic: the paper's ``2 Psi`` (stages 1 and 2: reduce-scatter the gradients,
   all-gather the weights) or ``3 Psi`` (stage 3: weights gathered twice) of each rank's
   ``(N-1)/N`` share, Rajbhandari et al. 2020, section 7.
@@ -71,17 +77,3 @@ def zero_traffic_bytes(numel: int, stage: int, world: int, itemsize: int = 4) ->
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO has stages 1, 2 and 3, not {stage}")
     return (3 if stage == 3 else 2) * numel * itemsize * (world - 1) / world
-
-
-def shared_cores_floor_seconds(
-    single_s: float, single_threads: int, ranks: int, rank_threads: int, cores: int
-) -> float:
-    """The work one process did in ``single_s`` on ``single_threads`` threads, spread
-    without loss over what ``ranks`` ranks of ``rank_threads`` threads each can use of the
-    machine's ``cores``: the same FLOPs on the same cores, no communication. A floor where
-    the benchmark has the machine to itself: where other programs keep the cores busy,
-    the scheduler gives several processes a larger share of them than one, and the ranks
-    can pass it (the benches print the figure as measured)."""
-    if min(single_s, single_threads, ranks, rank_threads, cores) <= 0:
-        raise ValueError("times, threads, ranks and cores must be positive")
-    return single_s * min(single_threads, cores) / min(ranks * rank_threads, cores)

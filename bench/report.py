@@ -131,6 +131,42 @@ def line(
     }
 
 
+def timed(
+    name: str,
+    seconds: list,
+    floor_seconds: list,
+    floor: str,
+    vs: tuple[str, Ratio] | None = None,
+    detail: str | None = None,
+) -> dict:
+    """The :func:`line` of a time measured round after round, ``seconds``, against its
+    floor measured in the same rounds, ``floor_seconds``: their median, and the median of
+    the rounds' pairs' ratios."""
+    return line(
+        name, statistics.median(seconds), "s", paired(seconds, floor_seconds), floor, vs, detail
+    )
+
+
+def against_floor(
+    names: tuple[str, str], launches: list[dict], peers: list[list], floor: str
+) -> list[dict]:
+    """The lines of a parallel step held against the floor timed in turns with it in the
+    same launch, and against one process, launched in turns with it: round ``i`` of
+    :func:`in_turns` gave ``launches[i]``, the step's seconds and its floor's (``"step"``
+    and ``"floor"``, in turns, one pair a round), and ``peers[i]``, one process's seconds.
+    ``names``: the peer's line, the step's. Over its floor the step is the median of the
+    pairs; against the peer, of the rounds' pairs of the two launches' medians."""
+    step = [t for run in launches for t in run["step"]]
+    under = [t for run in launches for t in run["floor"]]
+    medians = [statistics.median(run["step"]) for run in launches]
+    vs = ("one process", paired(medians, [statistics.median(p) for p in peers]))
+    described = f"{floor}; median {statistics.median(under) * 1e3:.1f} ms"
+    return [
+        line(names[0], statistics.median([t for p in peers for t in p]), "s"),
+        timed(names[1], step, under, described, vs),
+    ]
+
+
 def print_lines(lines: list[dict], peer: str = "x peer") -> None:
     """The lines as a table: the median, the ratio to the peer and the value over the
     floor, each with its spread; then what each floor is (once, if several share it)."""

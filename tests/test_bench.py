@@ -116,10 +116,77 @@ def test_zero_traffic_is_2_psi_or_3_psi_of_the_shares_sent():
         floors.zero_traffic_bytes(1000, 0, 4)
 
 
-def test_shared_cores_floor_spreads_one_process_over_the_ranks_cores():
-    assert floors.shared_cores_floor_seconds(1.0, 1, 4, 1, 2) == 0.5
-    assert floors.shared_cores_floor_seconds(1.0, 2, 4, 1, 2) == 1.0
-    assert floors.shared_cores_floor_seconds(1.0, 1, 2, 1, 8) == 0.5
+def test_against_floor_pairs_the_step_with_its_floor_and_the_launches_medians():
+    """Over its floor: the pairs timed in turns in a launch; against one process: the
+    pairs of the two launches' medians, round by round (not the medians of all)."""
+    launches = [
+        {"step": [2.0, 4.0], "floor": [1.0, 1.0]},
+        {"step": [6.0, 6.0], "floor": [1.0, 4.0]},
+    ]
+    peers = [[1.0, 2.0, 3.0], [3.0, 3.0, 9.0]]
+    one, step = report.against_floor(("one", "step"), launches, peers, "no messages")
+    assert one["value"] == 3.0 and one["of_floor"] is None  # the median of all its times
+    assert step["value"] == 5.0
+    assert (step["of_floor"]["median"], step["of_floor"]["n"]) == (3.0, 4)  # 2, 4, 6, 1.5
+    assert (step["of_floor"]["low"], step["of_floor"]["high"]) == (1.5, 6.0)
+    assert (step["vs"]["median"], step["vs"]["n"]) == (1.75, 2)  # 3 / 2 and 6 / 3
+    assert step["floor"] == "no messages; median 1000.0 ms"
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_the_ring_floor_computes_each_ranks_share_of_the_ring_with_no_messages(cp):
+    """Every rank's output and query gradient, as one process's attention gives them:
+    the floor runs the ring's whole compute on the right K/V copies, and no process
+    group exists here to send anything over."""
+    import torch
+    import torch.nn.functional as F
+
+    from labsupport.parallel.blockwise_attention import count_work
+    from labsupport.parallel.context_parallel import Layout
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12 * cp, 8, generator=g, requires_grad=True) for _ in range(3))
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True).detach()
+    lay = Layout.zigzag(cp)
+    at = [lay.positions(r, q.size(2)) for r in range(cp)]
+    kvs = [torch.stack([k, v]).detach().index_select(3, i) for i in at]
+    for rank in range(cp):
+        with count_work() as work:
+            out, dq = context_parallel.local_ring(q.detach()[..., at[rank], :], kvs, rank, lay)
+        assert torch.allclose(out, want[..., at[rank], :], atol=1e-6)
+        assert torch.allclose(dq, q.grad[..., at[rank], :], atol=1e-6)
+        assert work.scores("forward") == work.scores("backward") > 0
+
+
+def test_the_expert_parallel_floor_runs_each_expert_on_the_rows_the_routing_sends_it():
+    """Rank r's floor runs its experts on as many rows as the same experts get in one
+    process from every rank's tokens, and returns one row per token of its own (3 ranks
+    of 2 experts)."""
+    import torch
+
+    from labsupport.models import MoE, MoEConfig
+
+    torch.manual_seed(0)
+    moe = MoE(16, MoEConfig(6, 2))
+    batches = [torch.randn(5 + r, 16, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    rows = {}  # expert -> rows it computed
+
+    def counted(expert, args, output):
+        rows[expert] = rows.get(expert, 0) + len(args[0])
+
+    for expert in moe.experts:
+        expert.register_forward_hook(counted)
+    for x in batches:
+        moe(x)
+    whole = rows.copy()
+    rows.clear()
+    for rank, x in enumerate(batches):
+        received = expert_parallel.arrivals(moe.router, batches, rank)
+        y = expert_parallel.LocalExperts(moe, rank, received)(x.requires_grad_(True))
+        y.square().mean().backward()
+        assert y.shape == x.shape and x.grad is not None
+    assert rows == whole
 
 
 # --------------------------------------------------------------------------- records
@@ -142,9 +209,10 @@ def _zero():
     return [rank] * 4
 
 
-def _ep():
-    runs = [{"step": s, "threads": 1} for s in R]
-    return runs, runs, [{"bytes": 10, "formula": 10}] * 4, 2
+def _parallel():
+    """Three rounds of a parallel launch (the step and its floor in turns) and one
+    process's launch."""
+    return [{"step": [s, s], "floor": [0.5 * s, 0.6 * s]} for s in R], [{"step": [s]} for s in R]
 
 
 LINES = {
@@ -165,10 +233,10 @@ LINES = {
     ),
     "three_d": lambda: three_d.summarise(_three_d()),
     "zero_memory": lambda: zero_memory.summarise(_zero()),
-    "context_parallel": lambda: context_parallel.summarise(
-        [(s, 1) for s in R], [(s, 2) for s in R], 400, [110] * 4, 2
+    "context_parallel": lambda: context_parallel.summarise(*_parallel(), 400, [110] * 4),
+    "expert_parallel": lambda: expert_parallel.summarise(
+        *_parallel(), [{"bytes": 10, "formula": 10}] * 4
     ),
-    "expert_parallel": lambda: expert_parallel.summarise(*_ep()),
 }
 
 
