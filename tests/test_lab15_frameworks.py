@@ -93,11 +93,21 @@ def test_same_losses_tolerates_roundings_and_nothing_more():
     assert not lab.same_losses(losses, losses[:2])
 
 
+def compare_then_budget_case(runs, steps):
+    """Section 4's runs, then exercise 4's checker on section 4's ZeRO-3 config."""
+    rows = lab.compare(runs, steps)
+    return rows, exercises.budget_case(lambda world: lab.deepspeed_config(3, world_size=world))
+
+
 def test_deepspeed_trains_like_the_course_zero_on_two_ranks():
-    """One short run of each engine (stages 1 and 3, 2 steps) on 2 ranks."""
+    """One short run of each engine (stages 1 and 3, 2 steps) on 2 ranks, and exercise 4's
+    checker on the same ZeRO-3 config: section 4's count and the checker's are the model
+    states and DeepSpeed's buffers, nothing of the batch (they once differed by the last
+    micro-batch's logits, held by section 4's loop, less the batch and the causal masks of
+    the checker's GPT)."""
     runs = [("ZeRO-1", 1, False, False), ("ZeRO-3", 3, False, False)]
     start = time.perf_counter()
-    rows = launch(lab.compare, 2, kwargs={"runs": runs, "steps": 2}, timeout=300)[0]
+    rows, case = launch(compare_then_budget_case, 2, args=(runs, 2), timeout=300)[0]
     params = sum(p.numel() for p in lab.tiny_gpt(0, block_size=lab.SEQ).parameters())
     assert [row["run"] for row in rows] == ["ZeRO-1", "ZeRO-3"]
     for row in rows:
@@ -109,6 +119,11 @@ def test_deepspeed_trains_like_the_course_zero_on_two_ranks():
     assert rows[0]["deepspeed"]["optimizer"] == "DeepSpeedZeroOptimizer(Adam)"
     assert rows[1]["deepspeed"]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3(Adam)"
     assert rows[1]["course"]["bytes"] < rows[0]["course"]["bytes"]  # ZeRO-3 shards weights
+    # ZeRO-1 after a step (stage_1_and_2.py): the whole fp32 weights, flat; this rank's
+    # fp32 partition and Adam's two moments of it; Adam's step and _global_grad_norm
+    assert rows[0]["deepspeed"]["bytes"] == 4 * params + 3 * 4 * params // 2 + 2 * 4
+    assert case["stage"] == 3 and case["optimizer steps"] == 1
+    assert case["held"] == rows[1]["deepspeed"]["bytes"]  # exercise 4 counts as section 4
     print(f"2 ranks, 2 runs of each engine: {time.perf_counter() - start:.1f} s")
 
 

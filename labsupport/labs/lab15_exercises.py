@@ -2,12 +2,14 @@
 hands to ``deepspeed.initialize`` on 4 real ranks (its CPU accelerator, over gloo) and
 runs for one optimizer step, its micro-batches and their gradient accumulation included.
 
-What a rank holds is measured as section 4 of the lab measures it
+What a rank holds is measured as section 4 of the lab measures it, on section 4's GPT
 (:func:`~labsupport.labs.lab15_frameworks.live_tensor_bytes` after the step, less what was
-alive before the model was built: model states and DeepSpeed's buffers), plus what one
-micro-batch saves for its backward pass (:func:`labsupport.measure.memory.saved_tensors`
-on the same GPT, which no ZeRO stage shards: lab 14). The GPT writes its attention out
-(``attention="math"``), so that what it saves is the same on every CPU.
+alive before the model was built, the batch included: model states and DeepSpeed's
+buffers, the same bytes as section 4's table at the same stage), plus what one
+micro-batch saves for its backward pass (:func:`labsupport.measure.memory.saved_tensors`,
+which no ZeRO stage shards: lab 14). That is measured as lab 14 measures it, on the same
+GPT with its attention written out (``attention="math"``), so that what it saves is the
+same on every CPU.
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ from labsupport.models import tiny_gpt
 from labsupport.parallel.deepspeed_setup import use_deepspeed_accelerator
 
 WORLD = 4
-#: Bytes each rank may hold. Measured on 4 ranks after one step: ZeRO-1 holds 839,944
-#: bytes, ZeRO-3 with the lab's small bucket 668,429, and one sequence saves about 0.35 MB
-#: for backward (353,796; 699,140 for 2): a micro-batch of 2 fits under ZeRO-3 only
-#: (1,367,569 bytes; ZeRO-1's 1,539,084), one of 4 under none, and DeepSpeed's default
-#: 2 GB bucket under nothing.
+#: Bytes each rank may hold. Measured on 4 ranks after one step: ZeRO-1 holds 829,704
+#: bytes, ZeRO-3 with the lab's small bucket 658,189 (section 4's table), and one sequence
+#: saves about 0.35 MB for backward (353,796; 699,140 for 2): a micro-batch of 2 fits under
+#: ZeRO-3 only (1,357,329 bytes; ZeRO-1's 1,528,844), one of 4 under none, and DeepSpeed's
+#: default 2 GB bucket under nothing.
 BUDGET = 1_450_000
 #: The largest micro-batch that fits :data:`BUDGET` at some stage (the exercise asks for it:
 #: fewer, larger micro-batches keep the hardware busier).
 BEST_MICRO = 2
+#: The GPT whose saved activations are measured: section 4's, its attention written out.
 MODEL = {"block_size": SEQ, "attention": "math"}
 
 
@@ -49,8 +52,9 @@ def budget_case(fn) -> dict:
         warnings.simplefilter("ignore")
         import deepspeed
     warnings.filterwarnings("ignore", category=FutureWarning)
+    idx, targets = _batch(0)  # before the count starts: section 4 holds no batch after a step
     before = live_tensor_bytes()
-    model = tiny_gpt(0, **MODEL)
+    model = tiny_gpt(0, block_size=SEQ)  # section 4's GPT
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             engine, *_ = deepspeed.initialize(
@@ -68,7 +72,6 @@ def budget_case(fn) -> dict:
     micro, steps = found["micro"], found["accumulation"]
     if micro * steps * dist.get_world_size() != BATCH:
         return found  # another global batch: nothing to run this step on
-    idx, targets = _batch(0)
     for i in range(steps):
         loss = engine(idx[i * micro : (i + 1) * micro], targets[i * micro : (i + 1) * micro])[1]
         engine.backward(loss)

@@ -118,7 +118,10 @@ def _batch(step: int):
 def train_deepspeed(config: dict, steps: int = STEPS) -> dict:
     """``deepspeed.initialize`` on the course GPT, then ``steps`` steps: the losses
     (averaged over the ranks), the optimizer the engine built, and the bytes this rank
-    holds."""
+    holds after the last step (:func:`live_tensor_bytes`, less what was alive before the
+    model was built): model states and DeepSpeed's buffers. The loop keeps each forward's
+    loss, not its logits, which would add the last micro-batch's (4 x 32 x 256 fp32 on 4
+    ranks: 131,072 bytes) to the count."""
     use_deepspeed_accelerator()
     import deepspeed
 
@@ -130,7 +133,7 @@ def train_deepspeed(config: dict, steps: int = STEPS) -> dict:
         )
     losses = []
     for step in range(steps):
-        _, loss = engine(*_batch(step))  # the engine calls the model
+        loss = engine(*_batch(step))[1]  # the engine calls the model: (logits, loss)
         engine.backward(loss)  # backward, and ZeRO's gradient reduction
         engine.step()  # the optimizer step (and the all-gather of new parameters)
         losses.append(mean_over_ranks(loss))
@@ -149,14 +152,15 @@ def train_deepspeed(config: dict, steps: int = STEPS) -> dict:
 
 
 def train_course(stage: int, steps: int = STEPS) -> dict:
-    """The same run with the course's :class:`~labsupport.parallel.zero.ZeRO`."""
+    """The same run with the course's :class:`~labsupport.parallel.zero.ZeRO`, counted
+    the same way."""
     before = live_tensor_bytes()
     model = tiny_gpt(0, block_size=SEQ).to(device())
     zero = ZeRO(model, stage, lr=LR)
     losses = []
     for step in range(steps):
         zero.zero_grad()
-        _, loss = model(*_batch(step))
+        loss = model(*_batch(step))[1]
         loss.backward()
         zero.step()
         losses.append(mean_over_ranks(loss))
