@@ -117,6 +117,9 @@
       el("th", { scope: "row" }, part),
       el("td", { "data-part": part }, gb(b)),
       el("td", {}, bar(b / r.device, `${part}: ${(100 * b / r.device).toFixed(0)} % of the GPU`))));
+    const c = r.custom;  // a custom model: its FFN width and key-value heads, defaults filled in
+    const shape = c ? ` (${c.family === "llama" ? "Llama" : "GPT"}, FFN width ` +
+      `${c.ffn.toLocaleString("en")}, ${c.kv_heads} key-value heads)` : "";
     const total = el("tr", { class: "calc-total" }, el("th", { scope: "row" }, "total"),
       el("td", { "data-part": "total" }, gb(r.total)),
       el("td", {}, bar(r.total / r.device, `total: ${(100 * r.total / r.device).toFixed(0)} % of the GPU`)));
@@ -128,7 +131,7 @@
         el("thead", {}, el("tr", {}, el("th", {}, "state"), el("th", {}, "GB"), el("th", {}, "of the GPU"))),
         el("tbody", {}, ...rows, total)),
       el("p", { class: "calc-note" },
-        `${(r.params_total / 1e9).toFixed(2)} B parameters; the heaviest pipeline stage ` +
+        `${(r.params_total / 1e9).toFixed(2)} B parameters${shape}; the heaviest pipeline stage ` +
         `(stage ${r.stage + 1}) holds ${r.stage_layers} layers and this GPU ` +
         `${(r.params_per_gpu / 1e9).toFixed(3)} B of its parameters; ` +
         `${r.gpus.toLocaleString("en")} GPUs in all.`));
@@ -198,12 +201,12 @@
     const memoryForm = document.getElementById("calc-memory-form");
     if (memoryForm) {
       const out = document.getElementById("calc-memory-out");
-      const custom = ["layers", "hidden", "heads", "vocab"].map((n) => memoryForm.elements[n]);
-      const fill = () => {
+      const custom = presets.custom.map((n) => memoryForm.elements[n]);
+      const fill = () => {  // a preset's sizes, shown but fixed; 0 (the default) as empty
         const model = presets.models[memoryForm.elements.model.value];
         for (const input of custom) {
           input.disabled = Boolean(model);
-          if (model) input.value = model[input.name];
+          if (model) input.value = model[input.name] || "";
         }
         if (model) memoryForm.elements.seq_len.value = model.seq_len;
         // a model with a published run: its layout as published

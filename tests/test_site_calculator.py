@@ -19,7 +19,7 @@ from labsupport.estimate.compute import FITTED
 from labsupport.estimate.planner import stage_params
 from labsupport.estimate.published import PUBLISHED, as_published, check
 from tools import site_calculator
-from tools.site_calculator_html import MEMORY_START
+from tools.site_calculator_html import MEMORY_START, memory_form
 
 DEEPSEEK = web.published_inputs("DeepSeek-V3")
 # What the page asks, one call each: published layouts (GPT-3; Llama 3's 128K stage with
@@ -134,6 +134,7 @@ def test_the_page_states_the_fitted_efficiency_and_the_narrowed_search():
     text = (site_calculator.ROOT / "calculators.md").read_text()
     assert f"{100 * FITTED.gemm:.1f} %" in text
     assert "For DeepSeek-V3 the page searches only layouts without tensor parallelism" in text
+    assert f"Llama 2 7B's {web.llama_ffn(4096):,}" in text  # a custom Llama's default FFN
     assert web.NARROWED == {"DeepSeek-V3": {"tp": (1,)}}
 
 
@@ -155,6 +156,64 @@ def test_the_page_states_the_fitted_efficiency_and_the_narrowed_search():
 )
 def test_bad_input_is_refused_with_what_to_do(change, message):
     answer = json.loads(web.call("memory", json.dumps(CALLS[0][1] | change)))
+    assert message in answer["error"]
+
+
+# Llama shapes with the parameter counts of Meta's released checkpoints: Llama 2 7B (its FFN
+# width left to the default, Llama's rule), Llama 3 8B and Llama 2 70B (grouped-query
+# attention, 8 key-value heads).
+LLAMAS = [
+    ({"layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000}, 6_738_415_616),
+    ({"layers": 32, "hidden": 4096, "heads": 32, "vocab": 128256, "ffn": 14336, "kv_heads": 8},
+     8_030_261_248),
+    ({"layers": 80, "hidden": 8192, "heads": 64, "vocab": 32000, "ffn": 28672, "kv_heads": 8},
+     68_976_648_192),
+]  # fmt: skip
+LLAMA_3_405B = {"model": "custom", "family": "llama", "layers": 126, "hidden": 16384,
+                "heads": 128, "vocab": 128256, "ffn": 53248, "kv_heads": 8}  # fmt: skip
+
+
+@pytest.mark.parametrize(("sizes", "count"), LLAMAS, ids=["Llama 2 7B", "Llama 3 8B", "70B"])
+def test_a_custom_llama_has_the_released_checkpoints_parameters(sizes, count):
+    inputs = {"model": "custom", "family": "llama", "seq_len": 4096} | sizes
+    assert web.model_from(inputs).params() == count
+
+
+def test_a_custom_model_with_a_presets_sizes_is_the_preset():
+    """Llama 3 405B's sizes as custom: the preset's parameters, and its memory on the
+    128K stage as published; GPT-3's sizes (family, FFN and key-value heads left empty)."""
+    llama = web.published_inputs("Llama 3 405B, 128K")
+    custom = web.memory_per_gpu(llama | LLAMA_3_405B)
+    assert custom["params_total"] == web.MODELS["Llama 3 405B"].params()
+    assert custom["parts"] == web.memory_per_gpu(llama)["parts"]
+    assert custom["custom"] == {"family": "llama", "ffn": 53248, "kv_heads": 8}
+    sizes = {"model": "custom", "layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200}
+    gpt = web.memory_per_gpu(MEMORY_START | sizes | {"ffn": "", "kv_heads": 0})
+    assert gpt["params_total"] == web.MODELS["GPT-3 175B"].params()
+    assert gpt["parts"] == web.memory_per_gpu(MEMORY_START)["parts"]
+    assert gpt["custom"] == {"family": "gpt", "ffn": 4 * 12288, "kv_heads": 96}
+
+
+def test_the_memory_form_asks_for_every_size_a_custom_model_takes():
+    form = memory_form()
+    for name in web.CUSTOM + web.CUSTOM_OPTIONAL:
+        assert f'name="{name}"' in form, name
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"kv_heads": 3}, "kv_heads must divide the 128 heads"),
+        ({"kv_heads": 2.5}, "kv_heads must be a whole number"),
+        ({"tp": 16}, "tp must divide the 8 key-value heads too"),
+        ({"ffn": "wide"}, "ffn must be a whole number"),
+        ({"ffn": -4096}, "ffn must be a whole number of at least 1"),
+        ({"family": "mamba"}, "family must be one of gpt, llama, got 'mamba'"),
+    ],
+)
+def test_a_bad_custom_llama_is_refused_with_what_to_do(change, message):
+    inputs = web.published_inputs("Llama 3 405B, 128K") | LLAMA_3_405B | change
+    answer = json.loads(web.call("memory", json.dumps(inputs)))
     assert message in answer["error"]
 
 

@@ -31,12 +31,15 @@ MEMORY_ROWS = [
                                     "dp": 1, "tp": 1, "pp": 1, "zero": 0, "micro_batch": 8,
                                     "micro_batches": 1, "chunks": 1, "recompute": "none"}),
 ]  # fmt: skip
+#: A custom model's families, as the form offers them.
+FAMILIES = [("gpt", "GPT (GELU)"), ("llama", "Llama (SwiGLU)")]
 PARTS = ["weights", "gradients", "master weights", "momentum", "variance", "activations"]
 
 
-def _number(name, label, value, low=1, step=1):
+def _number(name, label, value, low=1, step=1, placeholder=""):
+    shown = f' placeholder="{escape(placeholder)}"' if placeholder else ""
     return (f'<label>{label} <input type="number" name="{name}" value="{value}" min="{low}" '
-            f'step="{step}" inputmode="numeric"></label>')  # fmt: skip
+            f'step="{step}" inputmode="numeric"{shown}></label>')  # fmt: skip
 
 
 def _select(name, label, options, chosen):
@@ -54,6 +57,9 @@ def memory_form() -> str:
     fields = [
         _select("model", "model", models, s["model"]),
         *(_number(k, k, getattr(model, k)) for k in web.CUSTOM),
+        _select("family", "family", FAMILIES, model.family),
+        _number("ffn", "FFN width", model.ffn or "", placeholder="default"),
+        _number("kv_heads", "key-value heads (GQA)", model.kv_heads or "", placeholder="= heads"),
         _number("seq_len", "sequence (tokens)", s["seq_len"]),
         _select("gpu", "GPU", [(g, g) for g in web.GPUS], s["gpu"]),
         *(_number(k, k, s[k]) for k in ("dp", "tp", "pp", "cp", "ep")),

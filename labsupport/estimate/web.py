@@ -25,6 +25,7 @@ import dataclasses
 import json
 from dataclasses import replace
 
+from labsupport.estimate.architecture import FAMILIES
 from labsupport.estimate.compute import FITTED, H800, REPORTED_MEMORY
 from labsupport.estimate.datasheets import DEVICES
 from labsupport.estimate.planner import (
@@ -47,7 +48,9 @@ MEMORY_OF = {name: DEVICES.get(name, H800)["memory_bytes"] for name in GPUS} | R
 (:data:`~labsupport.estimate.compute.REPORTED_MEMORY`), else the datasheet's."""
 #: GPT-2 small's shape (124M parameters, Radford et al. 2019) beside the published models.
 PRESETS = {"GPT-2 124M": Transformer("GPT-2 124M", 12, 768, 12, 1024, 50257)} | MODELS
+#: A custom model's sizes, then what it may leave empty (0) for the family's default.
 CUSTOM = ("layers", "hidden", "heads", "vocab")
+CUSTOM_OPTIONAL = ("family", "ffn", "kv_heads")
 #: The framework settings the planner does not choose: what ``"framework"`` sets.
 SETTINGS = ("sequence_parallel", "dp_overlap", "a2a_overlap", "fused_attention", "fp8")
 #: Where :func:`plan_layouts` narrows the planner's search, so that the page answers in a
@@ -66,16 +69,42 @@ def _int(inputs: dict, name: str, low: int = 1) -> int:
     return number
 
 
+def _optional(inputs: dict, name: str) -> int:
+    """``inputs[name]``, a whole number, or 0 (the default) where it is empty."""
+    return 0 if inputs.get(name) in (None, "", 0) else _int(inputs, name)
+
+
+def llama_ffn(hidden: int, multiple_of: int = 256) -> int:
+    """Llama's FFN width: two thirds of ``4·hidden``, rounded up to a multiple of
+    ``multiple_of`` (Meta's ``llama/model.py``, ``FeedForward``, with no
+    ``ffn_dim_multiplier``: Llama 2 7B's 11,008 and 13B's 13,824)."""
+    return -(-(8 * hidden // 3) // multiple_of) * multiple_of
+
+
 def model_from(inputs: dict) -> Transformer:
     """The preset ``inputs["model"]``, or ``"custom"`` with ``layers``, ``hidden``,
-    ``heads``, ``vocab`` (a GPT), at ``seq_len`` tokens per sequence."""
+    ``heads``, ``vocab`` and optionally ``family`` (``"gpt"``, the default, or
+    ``"llama"``: SwiGLU, RMSNorm, no biases, no learned positions, an untied output
+    layer, as :data:`published.MODELS` builds Llama 3), ``ffn`` (by default ``4·hidden``
+    for a GPT, :func:`llama_ffn` for Llama) and ``kv_heads`` (grouped-query attention;
+    by default one per head), at ``seq_len`` tokens per sequence."""
     name = inputs.get("model", "custom")
     if name == "custom":
-        sizes = {key: _int(inputs, key) for key in CUSTOM}
-        if sizes["hidden"] % sizes["heads"]:
+        layers, hidden, heads, vocab = (_int(inputs, key) for key in CUSTOM)
+        family = inputs.get("family") or "gpt"
+        if family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
+        ffn, kv_heads = _optional(inputs, "ffn"), _optional(inputs, "kv_heads") or heads
+        if hidden % heads:
             raise ValueError("hidden must be a multiple of heads")
-        model = Transformer("custom", sizes["layers"], sizes["hidden"], sizes["heads"], 1,
-                            sizes["vocab"])  # fmt: skip
+        if heads % kv_heads:
+            raise ValueError(f"kv_heads must divide the {heads} heads, each key-value head serving "
+                             "as many query heads; leave it empty for one per head")  # fmt: skip
+        llama = family == "llama"
+        ffn = ffn or (llama_ffn(hidden) if llama else 4 * hidden)
+        model = Transformer("custom", layers, hidden, heads, 1, vocab, ffn=ffn,
+                            kv_heads=kv_heads, family=family, positions=not llama,
+                            tied=not llama)  # fmt: skip
     elif name in PRESETS:
         model = PRESETS[name]
     else:
@@ -86,6 +115,9 @@ def model_from(inputs: dict) -> Transformer:
 def _check_axes(model: Transformer, dp: int, tp: int, pp: int, cp: int, ep: int) -> None:
     if model.heads % tp or model.seq_len % cp:
         raise ValueError("tp must divide the heads, and cp the sequence length")
+    if (model.kv_heads or model.heads) % tp:  # Megatron-core's num_query_groups_per_partition
+        raise ValueError(f"tp must divide the {model.kv_heads} key-value heads too (Megatron "
+                         "gives each rank whole key-value heads)")  # fmt: skip
     if ep > 1 and not model.n_expert:
         raise ValueError(f"ep must be 1: {model.name} is dense (no experts to spread)")
     if model.n_expert and (model.n_expert % ep or (dp * cp) % ep):
@@ -114,7 +146,8 @@ def memory_per_gpu(inputs: dict) -> dict:
     ``inputs``: the model (:func:`model_from`), ``dp``, ``tp``, ``pp``, ``cp``, ``ep``,
     ``zero`` (0 to 3), ``recompute``, ``micro_batch`` (sequences), ``micro_batches`` (per
     step and data-parallel rank), ``chunks`` (interleaved stages per pipeline rank),
-    ``sequence_parallel`` and ``fused_attention`` (bools), ``gpu``."""
+    ``sequence_parallel`` and ``fused_attention`` (bools), ``gpu``. A custom model's
+    ``family``, ``ffn`` and ``kv_heads``, defaults filled in, come back as ``"custom"``."""
     model = model_from(inputs)
     dp, tp, pp, cp, ep = (_int(inputs, k) for k in ("dp", "tp", "pp", "cp", "ep"))
     zero, recompute = _int(inputs, "zero", 0), inputs.get("recompute")
@@ -133,6 +166,7 @@ def memory_per_gpu(inputs: dict) -> dict:
     params = stage_params(model, pp, stage)
     device = MEMORY_OF[inputs["gpu"]]
     total = sum(parts.values())
+    custom = {k: getattr(model, k) for k in CUSTOM_OPTIONAL} if model.name == "custom" else None
     return {
         "parts": parts,
         "total": total,
@@ -144,6 +178,7 @@ def memory_per_gpu(inputs: dict) -> dict:
         "device": device,
         "usable": USABLE_MEMORY * device,
         "fits": total <= USABLE_MEMORY * device,
+        "custom": custom,
     }
 
 
@@ -237,6 +272,7 @@ def call(name: str, arguments: str) -> str:
 def _presets() -> dict:
     return {
         "models": {name: dataclasses.asdict(m) for name, m in PRESETS.items()},
+        "custom": CUSTOM + CUSTOM_OPTIONAL,
         "gpus": MEMORY_OF,
         "clusters": {name: {"gpus": c.gpus, "gpu": c.gpu} for name, c in CLUSTERS.items()},
         "planner_models": list(MODELS),

@@ -408,8 +408,10 @@ def _site_modules():
 
 
 def memory_cases() -> dict:
-    """Five cases of the memory form: three published layouts (GPT-3; Llama 3's 128K stage,
-    context parallel; DeepSeek-V3, expert parallel), a custom model, GPT-2 on one GPU."""
+    """Six cases of the memory form: three published layouts (GPT-3; Llama 3's 128K stage,
+    context parallel; DeepSeek-V3, expert parallel), a custom GPT (family, FFN width and
+    key-value heads set back from DeepSeek-V3's), a custom Llama with grouped-query
+    attention, GPT-2 on one GPU."""
     html = _site_modules()[0]
     rest = {"cp": 1, "ep": 1, "fused_attention": False}
     return {
@@ -418,10 +420,17 @@ def memory_cases() -> dict:
         "DeepSeek-V3 as published": html.web.published_inputs("DeepSeek-V3"),
         "custom 1.3B, ZeRO-3": {
             "model": "custom", "layers": 24, "hidden": 2048, "heads": 16, "vocab": 50257,
-            "seq_len": 4096, "gpu": "H200 SXM", "dp": 4, "tp": 2, "pp": 2, "zero": 3,
-            "recompute": "none", "micro_batch": 2, "micro_batches": 4, "chunks": 1,
-            "sequence_parallel": True,
+            "family": "gpt", "ffn": "", "kv_heads": "", "seq_len": 4096, "gpu": "H200 SXM",
+            "dp": 4, "tp": 2, "pp": 2, "zero": 3, "recompute": "none", "micro_batch": 2,
+            "micro_batches": 4, "chunks": 1, "sequence_parallel": True,
         } | rest,
+        "custom Llama 3 8B, GQA, TP 4 × CP 2": rest | {
+            "model": "custom", "layers": 32, "hidden": 4096, "heads": 32, "vocab": 128256,
+            "family": "llama", "ffn": 14336, "kv_heads": 8, "seq_len": 8192, "gpu": "H100 SXM",
+            "dp": 4, "tp": 4, "pp": 2, "cp": 2, "zero": 1, "recompute": "selective",
+            "micro_batch": 1, "micro_batches": 8, "chunks": 2, "sequence_parallel": True,
+            "fused_attention": True,
+        },
         "GPT-2 on one RTX 4090": {
             "model": "GPT-2 124M", "seq_len": 1024, "gpu": "RTX 4090", "dp": 1, "tp": 1,
             "pp": 1, "zero": 0, "recompute": "none", "micro_batch": 8, "micro_batches": 1,
@@ -437,7 +446,12 @@ def expected_memory(inputs: dict) -> dict:
 
     _, planner, published, stages = _site_modules()
     i = inputs
-    if i["model"] == "custom":
+    if i["model"] == "custom" and i["family"] == "llama":
+        model = planner.Transformer(
+            "custom", i["layers"], i["hidden"], i["heads"], 1, i["vocab"], ffn=i["ffn"],
+            kv_heads=i["kv_heads"], family="llama", positions=False, tied=False,
+        )  # fmt: skip
+    elif i["model"] == "custom":
         model = planner.Transformer("custom", i["layers"], i["hidden"], i["heads"], 1, i["vocab"])
     elif i["model"] == "GPT-2 124M":
         model = planner.Transformer("GPT-2 124M", 12, 768, 12, 1024, 50257)
@@ -575,6 +589,20 @@ def test_the_calculators_work_from_the_keyboard_on_a_phone(phone, site_url):
     phone.locator("#calc-plan-out tr[data-row='1'] button").focus()
     phone.keyboard.press("Enter")
     expect(phone.locator("#calc-plan-out h4")).to_have_text("Layout 2: where the step goes")
+    # Custom sizes: the fields a preset fixes open, in order, and a key changes the family.
+    model = phone.locator("#calc-memory-form [name=model]")
+    model.select_option("custom")
+    model.focus()
+    reached = []
+    for _ in range(7):
+        phone.keyboard.press("Tab")
+        reached.append(phone.evaluate("document.activeElement.name"))
+    assert reached == ["layers", "hidden", "heads", "vocab", "family", "ffn", "kv_heads"]
+    note = phone.locator("#calc-memory-out .calc-note")
+    expect(note).to_contain_text("(GPT, FFN width")
+    phone.locator("#calc-memory-form [name=family]").focus()
+    phone.keyboard.press("ArrowDown")  # GPT to Llama: SwiGLU, its own FFN width
+    expect(note).to_contain_text("(Llama, FFN width")
     assert phone.evaluate("document.documentElement.scrollWidth") <= PHONE["viewport"]["width"]
     calculators = WIDER_THAN_THE_PAGE.replace('"main *"', '"main .calc *, main .calc-static *"')
     assert phone.evaluate(calculators) == []
