@@ -112,6 +112,17 @@ def test_every_enumerated_layout_splits_the_gpus_and_the_batch():
         assert lay.tp <= cluster.gpus_per_node and 112 % lay.tp == 0
 
 
+def test_tensor_parallelism_divides_the_key_value_heads():
+    """Megatron-core splits the query groups over tp (``num_query_groups_per_partition``):
+    a model of 2 key-value heads is never split 4 or 8 ways, though its 32 heads would."""
+    cluster = CLUSTERS["Jean Zay (BLOOM)"]
+    gqa = replace(MODELS["BLOOM-176B"], heads=32, hidden=4096, layers=4, kv_heads=2)
+    tps = {lay.tp for lay in planner.layouts(gqa, cluster, 3072, pp=(1,), micro_batch=(1,))}
+    assert tps == {1, 2}
+    assert {lay.tp for lay in planner.layouts(replace(gqa, kv_heads=0), cluster, 3072, pp=(1,),
+                                             micro_batch=(1,))} == {1, 2, 4, 8}  # fmt: skip
+
+
 @pytest.mark.parametrize("entry", PUBLISHED, ids=[e["name"] for e in PUBLISHED])
 def test_published_layouts_are_evaluated_as_published(entry):
     """Every published layout is evaluated as its source gives it (no setting chosen by

@@ -114,11 +114,17 @@ def layouts(model: Transformer, cluster: Cluster, global_batch: int, **choices):
 
     ``choices`` narrow or widen the search, each a tuple of values: ``tp``, ``pp``,
     ``cp``, ``ep`` and the fields of :data:`DEFAULTS`. By default tensor parallelism stays
-    inside a node and divides the heads, every stage keeps at least one layer per chunk,
-    the global batch divides into micro-batches, and an MoE model's experts spread over
-    any expert-parallel size that divides them and the data-parallel group."""
+    inside a node and divides the heads and the key-value heads, every stage keeps at
+    least one layer per chunk, the global batch divides into micro-batches, and an MoE
+    model's experts spread over any expert-parallel size that divides them and the
+    data-parallel group."""
     n = cluster.gpus
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and model.heads % t == 0]
+    kv = model.kv_heads or model.heads  # Megatron-core: tp divides the query groups too
+    tps = [
+        t
+        for t in (1, 2, 4, 8, 16)
+        if t <= cluster.gpus_per_node and not (model.heads % t or kv % t)
+    ]
     eps = (
         [e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if not model.n_expert % e]
         if model.n_expert
