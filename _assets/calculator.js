@@ -1,13 +1,22 @@
-/* The calculators page: labsupport.estimate's Python, run in the page by Pyodide.
+/* The calculators page: labsupport.estimate's Python, run by Pyodide in a worker thread.
  *
  * No number is computed here: every answer comes from labsupport.estimate.web.call (in
- * Python), and this file only starts Pyodide, reads the forms and draws the answers.
+ * Python), and this file only starts Python, reads the forms and draws the answers.
  *
- * Chromium refuses fetch() and module scripts from file://, and the site must work from a
- * folder too. So tools/site_calculator.py ships every file Pyodide would fetch as a
- * classic script that stores it in self.calculatorData, and this file serves Pyodide's
- * two fetches (the WebAssembly binary, the standard library) from there, imports the
- * runtime module from a blob: URL and hands Pyodide the lock file's contents.
+ * Python runs in a dedicated Web Worker, not on the page's main thread: starting it takes
+ * seconds of CPU and a planner search up to a second, and on the main thread the page
+ * would not scroll, type or click meanwhile. The page asks the worker by message, each
+ * request with an id its answer carries back; a form's answer that newer input has
+ * superseded is not drawn (and the worker skips computing it, if it has not started).
+ *
+ * Chromium refuses fetch() and module scripts from file:// URLs, and the site must work
+ * from a folder too. So tools/site_calculator.py ships every file Pyodide needs as a
+ * classic script that stores it in self.calculatorData; this file starts a module worker
+ * from a data: URL (the function `worker` below; Chromium allows that from a folder) and
+ * posts it those files. The worker imports Pyodide's loader and runtime module from blob:
+ * URLs, serves Pyodide's two fetches (the WebAssembly binary, the standard library) from
+ * the files and hands Pyodide the lock file's contents. One path, from a folder and from a
+ * server alike.
  */
 (() => {
   const here = document.currentScript.src;
@@ -20,57 +29,127 @@
     }
   }
 
-  function bytes(b64) {
-    if (Uint8Array.fromBase64) return Uint8Array.fromBase64(b64);
-    const text = atob(b64);
-    const out = new Uint8Array(text.length);
-    for (let i = 0; i < text.length; i++) out[i] = text.charCodeAt(i);
-    return out;
+  // The worker's code: turned into text (worker.toString()), never run in the page. It
+  // answers {id, start} by starting Python, then each {id, name, args, key} with web.call's
+  // answer, in order; a request whose key a later queued request shares is skipped
+  // (answered {id, superseded}). An exception comes back as {id, thrown: its message}.
+  function worker() {
+    function bytes(b64) {
+      if (Uint8Array.fromBase64) return Uint8Array.fromBase64(b64);
+      const text = atob(b64);
+      const out = new Uint8Array(text.length);
+      for (let i = 0; i < text.length; i++) out[i] = text.charCodeAt(i);
+      return out;
+    }
+
+    async function start({ indexURL, data }) {
+      const served = {
+        [indexURL + "pyodide.asm.wasm"]: ["pyodide.asm.wasm", "application/wasm"],
+        [indexURL + "python_stdlib.zip"]: ["python_stdlib.zip", "application/zip"],
+      };
+      const fetchOriginal = self.fetch;
+      self.fetch = (input, init) => {
+        const file = served[input instanceof Request ? input.url : String(input)];
+        if (!file) return fetchOriginal(input, init);
+        const headers = { "Content-Type": file[1] };
+        return Promise.resolve(new Response(bytes(data[file[0]]), { headers }));
+      };
+      const modules = ["pyodide.mjs", "pyodide.asm.mjs"].map((name) =>
+        URL.createObjectURL(new Blob([data[name]], { type: "text/javascript" })));
+      let pyodide;
+      try {
+        const [{ loadPyodide }, { default: createPyodideModule }] = await Promise.all(
+          modules.map((url) => import(url)));
+        pyodide = await loadPyodide({
+          indexURL, createPyodideModule, lockFileContents: data["pyodide-lock.json"],
+        });
+      } finally {
+        self.fetch = fetchOriginal;
+        for (const url of modules) URL.revokeObjectURL(url);
+      }
+      for (const [path, source] of Object.entries(data.labsupport)) {
+        const full = `/home/pyodide/site/${path}`;
+        pyodide.FS.mkdirTree(full.slice(0, full.lastIndexOf("/")));
+        pyodide.FS.writeFile(full, source);
+      }
+      pyodide.runPython("import sys; sys.path.insert(0, '/home/pyodide/site')");
+      return pyodide.pyimport("labsupport.estimate.web").call;
+    }
+
+    let started, call;
+    const queue = [];
+    let working = false;
+    function work() {
+      const request = queue.shift();
+      try {
+        if (request.key && queue.some((r) => r.key === request.key)) {
+          self.postMessage({ id: request.id, superseded: true });
+        } else {
+          self.postMessage({ id: request.id, reply: JSON.parse(call(request.name, request.args)) });
+        }
+      } catch (error) {
+        self.postMessage({ id: request.id, thrown: error.message });
+      }
+      // a task each, so that the requests posted meanwhile are queued before the next
+      if (queue.length) setTimeout(work, 0);
+      else working = false;
+    }
+    self.onmessage = ({ data: message }) => {
+      if (message.start) {
+        started = start(message.start).then((f) => {
+          call = f;
+          self.postMessage({ id: message.id });
+        }, (error) => self.postMessage({ id: message.id, thrown: error.message }));
+        return;
+      }
+      queue.push(message);
+      if (!working) {
+        working = true;
+        started.then(() => setTimeout(work, 0));
+      }
+    };
   }
 
+  // Python in a worker, started; returns ask(name, args, key): a promise of web.call's
+  // answer ({result} or {error}), or of null where a newer request with the same key
+  // superseded it before it ran.
   async function startPython() {
     const data = self.calculatorData || {};
-    const needed = ["pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip",
+    const needed = ["pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip",
       "pyodide-lock.json", "labsupport"];
     const missing = needed.filter((name) => !(name in data));
-    if (typeof loadPyodide !== "function" || missing.length) {
-      throw new Error("the page could not load Python (Pyodide): " +
-        (missing.length ? `missing ${missing.join(", ")}` : "no loadPyodide"));
+    if (missing.length) {
+      throw new Error(`the page could not load Python (Pyodide): missing ${missing.join(", ")}`);
     }
-    const indexURL = new URL("calculator/", here).href;
-    const served = {
-      [indexURL + "pyodide.asm.wasm"]: ["pyodide.asm.wasm", "application/wasm"],
-      [indexURL + "python_stdlib.zip"]: ["python_stdlib.zip", "application/zip"],
+    // A module worker (Pyodide refuses classic ones) from a data: URL: in a page opened
+    // from a folder, Chromium refuses a module worker from a blob: URL.
+    const source = `(${worker})();\n`;
+    const thread = new Worker(`data:text/javascript;charset=utf-8,${encodeURIComponent(source)}`,
+      { type: "module", name: "calculator: Python" });
+    const waiting = new Map();
+    let last = 0;
+    const post = (message) => new Promise((resolve, reject) => {
+      const id = ++last;
+      waiting.set(id, { resolve, reject });
+      thread.postMessage({ ...message, id });
+    });
+    thread.onmessage = ({ data: answer }) => {
+      const { resolve, reject } = waiting.get(answer.id);
+      waiting.delete(answer.id);
+      if ("thrown" in answer) reject(new Error(answer.thrown));
+      else resolve(answer.superseded ? null : answer.reply);
     };
-    const fetchOriginal = window.fetch;
-    window.fetch = (input, init) => {
-      const file = served[input instanceof Request ? input.url : String(input)];
-      if (!file) return fetchOriginal(input, init);
-      const headers = { "Content-Type": file[1] };
-      return Promise.resolve(new Response(bytes(data[file[0]]), { headers }));
+    thread.onerror = (event) => {  // the worker's script itself failed
+      for (const { reject } of waiting.values()) {
+        reject(new Error(`Python's worker failed: ${event.message || "no reason given"}`));
+      }
+      waiting.clear();
     };
     performance.mark("calculator: scripts loaded");
-    const module = URL.createObjectURL(new Blob([data["pyodide.asm.mjs"]], { type: "text/javascript" }));
-    let pyodide;
-    try {
-      const createPyodideModule = (await import(module)).default;
-      pyodide = await loadPyodide({
-        indexURL, createPyodideModule, lockFileContents: data["pyodide-lock.json"],
-      });
-    } finally {
-      window.fetch = fetchOriginal;
-      URL.revokeObjectURL(module);
-    }
-    performance.mark("calculator: Python started");
-    for (const [path, source] of Object.entries(data.labsupport)) {
-      const full = `/home/pyodide/site/${path}`;
-      pyodide.FS.mkdirTree(full.slice(0, full.lastIndexOf("/")));
-      pyodide.FS.writeFile(full, source);
-    }
-    pyodide.runPython("import sys; sys.path.insert(0, '/home/pyodide/site')");
-    const call = pyodide.pyimport("labsupport.estimate.web").call;
+    const files = Object.fromEntries(needed.map((name) => [name, data[name]]));
+    await post({ start: { indexURL: new URL("calculator/", here).href, data: files } });
     performance.mark("calculator: labsupport imported");
-    return (name, args) => JSON.parse(call(name, JSON.stringify(args)));
+    return (name, args, key) => post({ name, args: JSON.stringify(args), key });
   }
 
   // ------------------------------------------------------------------ forms and drawing
@@ -196,8 +275,24 @@
         el("tbody", {}, ...memory)));
   }
 
-  function wire(call) {
-    const presets = call("presets", {}).result;
+  // One form's output: ask(args) draws its answer, unless a newer ask has been made since
+  // (then the newer one draws). While an answer is awaited the output is aria-busy.
+  function live(out, call, key, draw) {
+    let latest = 0;
+    return async (args) => {
+      const ticket = ++latest;
+      out.setAttribute("aria-busy", "true");
+      const reply = await call(key, args, key);
+      if (ticket !== latest) return;
+      out.removeAttribute("aria-busy");
+      draw(reply);
+    };
+  }
+
+  async function wire(call) {
+    const presets = (await call("presets", {})).result;
+    for (const fieldset of document.querySelectorAll(".calc-form fieldset")) fieldset.disabled = false;
+    const first = [];
     const memoryForm = document.getElementById("calc-memory-form");
     if (memoryForm) {
       const out = document.getElementById("calc-memory-out");
@@ -218,21 +313,34 @@
           else input.value = value;
         }
       };
-      const update = () => drawMemory(out, call("memory", values(memoryForm)), memoryForm.elements.gpu.value);
+      const ask = live(out, call, "memory", (reply) => drawMemory(out, reply, memoryForm.elements.gpu.value));
+      const update = () => ask(values(memoryForm));
       memoryForm.addEventListener("input", (e) => {
         if (e.target.name === "model") fill();
         update();
       });
       fill();
       memoryForm.addEventListener("submit", (e) => { e.preventDefault(); update(); });
-      update();
+      first.push(update());
     }
     const planForm = document.getElementById("calc-plan-form");
     if (planForm) {
       const out = document.getElementById("calc-plan-out");
       let chosen = 0;
-      const pick = (i) => { chosen = i; update(); out.querySelector(`[data-row="${i}"] button`)?.focus(); };
-      const update = () => drawPlan(out, call("plan", values(planForm)), chosen, pick, presets.efficiency);
+      let shown = null;  // the answer drawn, redrawn when another layout is chosen
+      let focus = null;  // the row whose button takes the focus once drawn
+      const draw = (reply) => {
+        shown = reply;
+        drawPlan(out, reply, chosen, pick, presets.efficiency);
+        if (focus !== null) out.querySelector(`[data-row="${focus}"] button`)?.focus();
+        focus = null;
+      };
+      const pick = (i) => {  // the answer drawn again, or the one awaited, with layout i
+        chosen = focus = i;
+        if (!out.hasAttribute("aria-busy")) draw(shown);
+      };
+      const ask = live(out, call, "plan", draw);
+      const update = () => ask(values(planForm));
       const preset = () => {  // a published run on this model and cluster: its batch and settings
         const run = presets.published.find((p) => p.model === planForm.elements.model.value &&
           p.cluster === planForm.elements.cluster.value);
@@ -249,17 +357,16 @@
         update();
       });
       planForm.addEventListener("submit", (e) => { e.preventDefault(); update(); });
-      update();
+      first.push(update());
     }
+    await Promise.all(first);
   }
 
   async function main() {
     const started = performance.now();
     say("Loading the calculator: Python (Pyodide) is starting in this page…", "loading");
     try {
-      const call = await startPython();
-      for (const fieldset of document.querySelectorAll(".calc-form fieldset")) fieldset.disabled = false;
-      wire(call);
+      await wire(await startPython());
       performance.mark("calculator: first answers drawn");
       const seconds = ((performance.now() - started) / 1000).toFixed(1);
       say(`Live: computed in this page by labsupport.estimate (Python, started in ${seconds} s).`, "ready");

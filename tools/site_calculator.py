@@ -8,11 +8,14 @@
 * ``_build/calculator/*.html``: the calculators' forms and the static tables the page
   shows when the calculator cannot run (computed here, by the same functions).
 
-Chromium refuses ``fetch()`` and module scripts from ``file://``, and the site must work
-from a folder as well as from a server. So every file Pyodide would fetch is shipped as
-a classic script that stores it in ``self.calculatorData``: the WebAssembly binary and
-the standard library in base64, the runtime module (``pyodide.asm.mjs``) and the lock
-file as text, and the page (``_assets/calculator.js``) hands them to Pyodide. Only
+The page runs Python in a Web Worker (a thread of its own), so that the page stays
+responsive while Python starts and computes. Chromium refuses ``fetch()`` and module
+scripts from ``file://`` URLs, and the site must work from a folder as well as from a
+server. So every file Pyodide needs is shipped as a classic script that stores it in
+``self.calculatorData``: the WebAssembly binary and the standard library in base64, the
+loader (``pyodide.mjs``), the runtime module (``pyodide.asm.mjs``) and the lock file as
+text; the page (``_assets/calculator.js``) starts the worker (a module worker, from a
+``data:`` URL, which Chromium allows from a folder) and posts it these files. Only
 Pyodide's core is shipped: no packages (the calculators need no numpy).
 
 The Python is labsupport's own files, unchanged (:data:`SHIPPED`), in a package whose
@@ -37,9 +40,9 @@ INTEGRITY = (  # the registry's "dist.integrity" of this version
     "sha512-74Wq1kXOC+CCEzAfxuRAO701nAcCMLjf8NrwvWpu8S41dVMXwXmLQ05dYB+F4e46AdnGo0oq7YHSVUpHsoarLQ=="
 )
 TARBALL = f"https://registry.npmjs.org/pyodide/-/pyodide-{VERSION}.tgz"
-#: Pyodide's core: the loader, the runtime module, the binary, the stdlib, the lock file.
+#: Pyodide's core: the binary, the stdlib; the loader, the runtime module, the lock file.
 BINARY = ("pyodide.asm.wasm", "python_stdlib.zip")
-TEXT = ("pyodide.asm.mjs", "pyodide-lock.json")
+TEXT = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide-lock.json")
 
 SHIPPED = [
     "labsupport/models/recompute.py",
@@ -88,18 +91,17 @@ def _script(name: str, value: str) -> str:
 
 
 def write_vendor(out: Path, cache: Path) -> dict[str, int]:
-    """Pyodide's loader as it is, and every other file as a classic script; sizes."""
+    """Every file the worker needs, as a classic script; their sizes."""
+    for stale in out.glob("*") if out.exists() else ():
+        stale.unlink()  # a file an older build wrote (the loader was once shipped as it is)
     out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(tarball(cache))) as tar:
-        names = ("pyodide.js", *BINARY, *TEXT)
-        members = {n: tar.extractfile(f"package/{n}").read() for n in names}
-    (out / "pyodide.js").write_bytes(members["pyodide.js"])
+        members = {n: tar.extractfile(f"package/{n}").read() for n in (*BINARY, *TEXT)}
     for name in BINARY:
         encoded = json.dumps(base64.b64encode(members[name]).decode())
         (out / f"{name}.js").write_text(_script(name, encoded))
-    (out / "pyodide.asm.mjs.js").write_text(
-        _script("pyodide.asm.mjs", json.dumps(members["pyodide.asm.mjs"].decode()))
-    )
+    for name in ("pyodide.mjs", "pyodide.asm.mjs"):
+        (out / f"{name}.js").write_text(_script(name, json.dumps(members[name].decode())))
     (out / "pyodide-lock.json.js").write_text(
         _script("pyodide-lock.json", members["pyodide-lock.json"].decode())
     )

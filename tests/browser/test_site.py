@@ -364,7 +364,7 @@ def test_figures_are_shown_as_wide_as_tools_figures_assumes(page, site_url):
 # ---------------------------------------------------------------------- the calculators
 # calculators.md runs labsupport.estimate in the page (Pyodide). Python starts in 4-7 s in
 # headless Chromium on this project's 2-core machine under a load of 5, in 21-29 s under the
-# heaviest load seen (2.6 s of the page's main thread); a start that takes longer than this
+# heaviest load seen (2.6 s of CPU); a start that takes longer than this
 # has failed.
 STARTUP_MS = 180_000
 
@@ -374,6 +374,56 @@ def calculator_started(page):
     status = page.locator("#calc-memory .calc-status").inner_text()
     assert page.evaluate("document.documentElement.dataset.calculator") == "ready", status
     assert status.startswith("Live: computed in this page by labsupport.estimate"), status
+
+
+# Every long task of the page's main thread (50 ms or more: the page answers no scroll, key
+# or click meanwhile).
+LONG_TASKS = """window.longTasks = [];
+new PerformanceObserver((list) => window.longTasks.push(
+  ...list.getEntries().map((task) => [task.startTime, task.duration])))
+  .observe({type: "longtask"});"""
+LONGEST_TASK_SINCE = """(since) => Math.max(0,
+  ...window.longTasks.filter(([start]) => start >= since).map(([, duration]) => duration))"""
+MARK = "(name) => performance.getEntriesByName(name)[0].startTime"
+
+
+def main_thread_stays_free(page, since: float, until: float, what: str):
+    """No task of the main thread after ``since`` took a fifth of the ``since``-``until``
+    time. Python runs in a worker: the page's own tasks (drawing answers) take tens of ms.
+    On the main thread, Python's start was one task of nearly all of it (4.9-12.6 s of
+    5.4-12.1 s on this project's loaded 2-core machine)."""
+    longest = page.evaluate(LONGEST_TASK_SINCE, since)
+    assert longest < (until - since) / 5, (
+        f"{what}: a {longest:.0f} ms task in {until - since:.0f} ms"
+    )
+
+
+# A new search (the planner's global batch changed), and a task queued as it starts: when
+# the task ran and when the answer was drawn. On the main thread, the search and the
+# drawing ran in the input's own task, before any other.
+WHILE_IT_SEARCHES = """async (batch) => {
+  const out = document.getElementById("calc-plan-out");
+  const field = document.querySelector("#calc-plan-form [name=global_batch]");
+  const times = {};
+  const drawn = new Promise((resolve) => new MutationObserver((_, observer) => {
+    observer.disconnect();
+    times.drawn = performance.now();
+    resolve();
+  }).observe(out, {childList: true}));
+  setTimeout(() => { times.free = performance.now(); }, 0);
+  field.value = batch;
+  field.dispatchEvent(new Event("input", {bubbles: true}));
+  await drawn;
+  await new Promise((resolve) => setTimeout(resolve, 0));
+  return times;
+}"""
+
+
+def started_off_the_main_thread(page):
+    """While Python started and drew its first answers, the main thread stayed free."""
+    marks = ("calculator: scripts loaded", "calculator: first answers drawn")
+    loaded, drawn = (page.evaluate(MARK, mark) for mark in marks)
+    main_thread_stays_free(page, loaded, drawn, "while Python starts")
 
 
 def set_inputs(page, form: str, inputs: dict):
@@ -389,7 +439,14 @@ def set_inputs(page, form: str, inputs: dict):
             field.fill(str(value))
 
 
+def settled(page, out: str):
+    """Wait until the output shows the answer to its form's latest input (Python answers
+    in a worker: until then the output is aria-busy)."""
+    expect(page.locator(f"#{out}")).not_to_have_attribute("aria-busy", "true")
+
+
 def shown(page, out: str) -> dict:
+    settled(page, out)
     cells = page.locator(f"#{out} td[data-part]")
     return {
         cells.nth(i).get_attribute("data-part"): float(cells.nth(i).inner_text())
@@ -478,8 +535,10 @@ def test_the_calculators_compute_in_the_page_opened_from_a_folder(browser):
     runs = {e["name"]: e for e in published.PUBLISHED}
 
     page = open_page(browser)
+    page.add_init_script(LONG_TASKS)
     page.goto((SITE / "calculators.html").as_uri())
     calculator_started(page)
+    started_off_the_main_thread(page)
     cases = memory_cases()
     for name, inputs in cases.items():
         before = page.locator("#calc-memory-out").inner_text()
@@ -542,6 +601,7 @@ def test_the_calculators_compute_in_the_page_opened_from_a_folder(browser):
 
 def expect_rows(rows, want, axes_text):
     """The page's ranked rows are ``want``'s (results of the planner), in order."""
+    settled(rows.page, "calc-plan-out")
     expect(rows.first.locator("[data-key=mesh]")).to_have_text(axes_text(want[0]["layout"].axes))
     for i, result in enumerate(want):
         row = rows.nth(i)
@@ -567,11 +627,14 @@ STATUS_HISTORY = """document.addEventListener("DOMContentLoaded", () => {
 
 
 def test_the_calculators_work_from_the_keyboard_on_a_phone(phone, site_url):
-    phone.add_init_script(STATUS_HISTORY)
+    phone.add_init_script(STATUS_HISTORY + "\n" + LONG_TASKS)
     phone.goto(f"{site_url}/calculators.html")
     calculator_started(phone)
     history = phone.evaluate("window.statusHistory")
     assert history[1].startswith("Loading the calculator"), history  # while Python starts
+    started_off_the_main_thread(phone)
+    times = phone.evaluate(WHILE_IT_SEARCHES, 1024)
+    assert times["free"] < times["drawn"], f"the page waited for the search: {times}"
     phone.locator("#calc-memory-form [name=model]").focus()
     reached = []
     for _ in range(20):
@@ -582,10 +645,11 @@ def test_the_calculators_work_from_the_keyboard_on_a_phone(phone, site_url):
               "fused_attention"}  # fmt: skip
     assert fields <= set(reached), f"the Tab key never reaches {fields - set(reached)}"
     total = phone.locator("#calc-memory-out td[data-part=total]")
-    before = float(total.inner_text())
+    before = total.inner_text()
     phone.locator("#calc-memory-form [name=zero]").focus()
     phone.keyboard.press("ArrowDown")  # ZeRO-0 to ZeRO-1: the optimizer states are sharded
-    assert float(total.inner_text()) < before
+    expect(total).not_to_have_text(before)
+    assert float(total.inner_text()) < float(before)
     phone.locator("#calc-plan-out tr[data-row='1'] button").focus()
     phone.keyboard.press("Enter")
     expect(phone.locator("#calc-plan-out h4")).to_have_text("Layout 2: where the step goes")
