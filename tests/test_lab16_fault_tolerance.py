@@ -307,8 +307,8 @@ def test_check_training_state(capsys):
     for (state_fn, restore_fn), message in mistakes:
         with pytest.raises(AssertionError, match=message):
             check(state_fn, restore_fn)
-    with pytest.raises(AssertionError, match="did not all finish within 90 s") as info:
-        check(state, waits_for_rank_0, timeout=90)
+    with pytest.raises(AssertionError, match="did not all finish within 40 s") as info:
+        check(state, waits_for_rank_0, timeout=40)
     assert "does your restore() wait for a message" in str(info.value)
     capsys.readouterr()
     assert not check(stub("training_state"), stub("restore"))
