@@ -73,6 +73,12 @@ class Transformer:
         kv = self.kv_heads or self.heads
         return {"q": self.heads * d, "k": kv * d, "v": kv * dv, "o": self.heads * dv}
 
+    def splits_heads(self, tp: int) -> bool:
+        """Whether ``tp`` tensor-parallel ranks each get whole query heads and whole
+        key-value heads (Megatron-core: ``num_query_groups_per_partition =
+        divide(num_query_groups, world_size)``)."""
+        return not (self.heads % tp or (self.kv_heads or self.heads) % tp)
+
     @property
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers if self.n_expert else 0

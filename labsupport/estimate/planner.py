@@ -119,12 +119,7 @@ def layouts(model: Transformer, cluster: Cluster, global_batch: int, **choices):
     model's experts spread over any expert-parallel size that divides them and the
     data-parallel group."""
     n = cluster.gpus
-    kv = model.kv_heads or model.heads  # Megatron-core: tp divides the query groups too
-    tps = [
-        t
-        for t in (1, 2, 4, 8, 16)
-        if t <= cluster.gpus_per_node and not (model.heads % t or kv % t)
-    ]
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and model.splits_heads(t)]
     eps = (
         [e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if not model.n_expert % e]
         if model.n_expert

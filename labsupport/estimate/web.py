@@ -115,7 +115,7 @@ def model_from(inputs: dict) -> Transformer:
 def _check_axes(model: Transformer, dp: int, tp: int, pp: int, cp: int, ep: int) -> None:
     if model.heads % tp or model.seq_len % cp:
         raise ValueError("tp must divide the heads, and cp the sequence length")
-    if (model.kv_heads or model.heads) % tp:  # Megatron-core's num_query_groups_per_partition
+    if not model.splits_heads(tp):  # the heads do split: the key-value heads do not
         raise ValueError(f"tp must divide the {model.kv_heads} key-value heads too (Megatron "
                          "gives each rank whole key-value heads)")  # fmt: skip
     if ep > 1 and not model.n_expert:
